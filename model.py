@@ -1,0 +1,404 @@
+"""
+The looped language model (Ouro-style): one block of L layers applied U times, an exit gate
+after every loop, and the exit rules of the paper (Eq. 3, Eq. 4).
+
+Read top to bottom: config, the layer, the looped model and its dense forward, exit maths,
+generation (the naive oracle and the cached Ouro-mode decode), and the checkpoint loader.
+Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
+"""
+import math
+import os
+from dataclasses import dataclass, asdict, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for. CLIs print it as one line and exit with code 2."""
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 64
+    block_size: int = 256        # context length
+    n_layer: int = 2             # L: layers in the looped block
+    n_head: int = 4
+    n_kv_head: int = 4           # < n_head for grouped-query attention
+    n_embd: int = 128
+    ffn_hidden: int = 352        # SwiGLU inner size
+    n_loops: int = 4             # U: how many times the block is applied
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-6
+    loop_norm: bool = False      # pass norm(h) to the next loop (Ouro: True; our default, App. B: False)
+    branch_norm_init: float = 0.02  # initial gain of the in-branch norms (*_2), App. B
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    def check(self):
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise UserError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
+                            "n_embd must divide by n_head and n_head by n_kv_head")
+        if self.head_dim % 2:
+            raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_loops < 1:
+            raise UserError(f"n_loops={self.n_loops} must be >= 1")
+
+
+# ----------------------------------------------------------------------------- the layer
+
+class RMSNorm(nn.Module):
+    """Ouro's RMSNorm: variance in (at least) fp32, then a plain `weight * x`."""
+
+    def __init__(self, dim, eps, init=1.0):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.full((dim,), float(init)))
+
+    def forward(self, x):
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions, head_dim, theta, dtype):
+    """cos/sin tables for the given (any-shaped) integer positions; trailing dim = head_dim."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    ang = positions.to(torch.float64)[..., None] * inv_freq
+    ang = torch.cat([ang, ang], dim=-1)  # NeoX layout: the two halves share frequencies
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, H, T, D); cos/sin: (T, D) or (B, T, D). NeoX-style rotate_half."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+
+    def forward(self, x, cos, sin, kv=None):
+        """kv: None for plain causal self-attention, or a function (k, v) -> (keys, values, mask)
+        through which a cache stores this step's K/V and hands back what the queries may read."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = None
+        if kv is not None:
+            k, v, mask = kv(k, v)
+        rep = self.n_head // self.n_kv_head
+        if rep > 1:  # grouped-query attention: each K/V head serves `rep` query heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Layer(nn.Module):
+    """The Ouro layer: four RMSNorms ("sandwich"), attention and SwiGLU, no biases."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.input_layernorm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.branch_norm_init)
+        self.post_attention_layernorm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.branch_norm_init)
+
+    def forward(self, h, cos, sin, kv=None):
+        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), cos, sin, kv))
+        return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
+
+
+# ----------------------------------------------------------------------------- the looped model
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        cfg.check()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.n_embd, 1, bias=True)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)  # untied, as Ouro
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def rope(self, positions, dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def block(self, h, cos, sin, cache=None):
+        """One application of the shared block B_θ (Eq. 1). `cache`, if given, has a method
+        layer_kv(layer_index, k, v) -> (keys, values, mask) that stores and serves K/V."""
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (lambda k, v, i=i: cache.layer_kv(i, k, v))
+            h = layer(h, cos, sin, kv)
+        return h
+
+    def exit_heads(self, h):
+        """After a loop: the normed state, read by the LM head and the gate (Eq. 2), and the
+        state passed to the next loop (normed in Ouro, raw in our from-scratch default)."""
+        hn = self.norm(h)
+        gate = self.early_exit_gate(hn).squeeze(-1)
+        gate = gate.to(torch.promote_types(gate.dtype, torch.float32))  # exit maths never in bf16
+        return hn, gate, (hn if self.config.loop_norm else h)
+
+    def _depth_loss(self, hn, targets):
+        logits = self.lm_head(hn)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1, reduction="none")
+        return loss.view(targets.shape)
+
+    def forward(self, idx, targets=None, keep_logits=False):
+        """Dense forward through all U depths (how Ouro trains: every token runs every loop).
+
+        Returns a dict with
+          gate_logits (B, T, U) fp32,
+          losses      (B, T, U): ℓ_{i,d}, next-token loss of every token at every depth (if targets),
+          logits      list of U tensors (B, T, V) (only if keep_logits).
+        During training each depth's logits are recomputed in the backward pass
+        (checkpointing), so at most one full-vocabulary logits tensor is alive at a time.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise UserError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        h = self.embed_tokens(idx)
+        cos, sin = self.rope(torch.arange(T, device=idx.device), h.dtype)
+        gates, losses, logits = [], [], []
+        for _ in range(self.config.n_loops):
+            h = self.block(h, cos, sin)
+            hn, gate, h = self.exit_heads(h)
+            gates.append(gate)
+            if targets is not None:
+                if torch.is_grad_enabled():
+                    losses.append(checkpoint(self._depth_loss, hn, targets, use_reentrant=False))
+                else:
+                    losses.append(self._depth_loss(hn, targets))
+            if keep_logits:
+                logits.append(self.lm_head(hn))
+        out = {"gate_logits": torch.stack(gates, -1)}
+        if targets is not None:
+            out["losses"] = torch.stack(losses, -1)
+        if keep_logits:
+            out["logits"] = logits
+        return out
+
+
+# ----------------------------------------------------------------------------- exits (Eq. 2-4)
+
+def _prob_dtype(x):
+    return torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 in float64 tests
+
+
+def exit_pdf(gate_logits):
+    """Eq. 3: π(d) = λ_d Π_{r<d}(1-λ_r) for d < U, π(U) = Π_{r<U}(1-λ_r). Last dim = depth."""
+    lam = torch.sigmoid(gate_logits.to(_prob_dtype(gate_logits)))  # Eq. 2, never in bf16
+    survive = torch.cumprod(1 - lam, dim=-1)                        # Π_{r<=d}(1-λ_r)
+    before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], dim=-1)
+    pdf = lam * before
+    return torch.cat([pdf[..., :-1], before[..., -1:]], dim=-1)     # the last depth takes the rest
+
+
+def exit_cdf(gate_logits):
+    """CDF(d) = Σ_{r<=d} π(r) = 1 - Π_{r<=d}(1-λ_r); the last depth is forced to 1."""
+    lam = torch.sigmoid(gate_logits.to(_prob_dtype(gate_logits)))
+    cdf = 1 - torch.cumprod(1 - lam, dim=-1)
+    cdf[..., -1] = 1.0
+    return cdf
+
+
+def threshold_exit(gate_logits, tau):
+    """Eq. 4: e = min{d : CDF(d) >= τ}, 1-based; depth U always exits. Depends on gates <= e only."""
+    hit = exit_cdf(gate_logits) >= tau
+    hit[..., -1] = True
+    return hit.to(torch.int8).argmax(dim=-1) + 1
+
+
+def exit_now(survive, gate_logit, tau):
+    """Online form of Eq. 4 at one depth: update Π(1-λ) with this depth's gate and say who exits.
+    Uses the same float operations as exit_cdf, so online and batch decisions agree exactly."""
+    survive = survive * (1 - torch.sigmoid(gate_logit.to(survive.dtype)))
+    return survive, (1 - survive) >= tau
+
+
+def sample_exit(gate_logits, generator=None):
+    """Sampled exit (§5): at depth d exit with probability λ_d, i.e. e ~ π (Eq. 3)."""
+    lam = torch.sigmoid(gate_logits.to(_prob_dtype(gate_logits)))
+    u = torch.rand(lam.shape, generator=generator, dtype=lam.dtype, device=lam.device)
+    hit = u < lam
+    hit[..., -1] = True
+    return hit.to(torch.int8).argmax(dim=-1) + 1
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+    """logits (V,) -> one token id. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.double() / temperature
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted probs whose mass reaches top_p
+        sp, si = torch.sort(probs, descending=True)
+        drop = (sp.cumsum(0) - sp) >= top_p
+        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------- generation
+
+@torch.no_grad()
+def next_logits_naive(model, ids, mode, depth=None, thr=None):
+    """The oracle: recompute the whole context densely and read the last position.
+    mode 'fixed': logits at `depth`; mode 'ouro': at the threshold exit (Eq. 4)."""
+    idx = torch.tensor([ids], dtype=torch.long, device=model.lm_head.weight.device)
+    out = model(idx, keep_logits=True)
+    e = depth if mode == "fixed" else int(threshold_exit(out["gate_logits"][0, -1], thr))
+    return out["logits"][e - 1][0, -1], e
+
+
+@torch.no_grad()
+def forward_lanes(model, idx, cache, pos, n_run):
+    """Run a chunk of tokens (positions pos..pos+T-1) through depths 1..n_run with one KV lane
+    per (depth, layer), as Ouro's code does. Returns the last position's normed states and gate
+    logits per depth."""
+    h = model.embed_tokens(idx)
+    cos, sin = model.rope(torch.arange(pos, pos + idx.shape[1], device=idx.device), h.dtype)
+    states, gates = [], []
+    for d in range(n_run):
+        cache.begin(d, pos)
+        h = model.block(h, cos, sin, cache)
+        hn, gate, h = model.exit_heads(h)
+        states.append(hn[:, -1])
+        gates.append(gate[:, -1])
+    return states, torch.stack(gates, -1)
+
+
+def check_prompt(model, ids, max_new_tokens):
+    if not ids:
+        raise UserError("the prompt is empty: give --prompt or --prompt_ids")
+    if len(ids) >= model.config.block_size:
+        raise UserError(f"the prompt has {len(ids)} tokens; the context length is "
+                        f"block_size={model.config.block_size}: give a prompt of at most "
+                        f"{model.config.block_size - 1} tokens")
+    if len(ids) + max_new_tokens > model.config.block_size:
+        raise UserError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                        f"the context length block_size={model.config.block_size}")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+
+
+@torch.no_grad()
+def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None, naive=False):
+    """Generate with one of the dense-cache modes of this file.
+
+    mode 'fixed': every token runs `depth` loops (KV lanes 1..depth).
+    mode 'ouro':  every token runs all U loops (one KV lane per loop and layer, as Ouro's code);
+                  the threshold (Eq. 4) only picks which depth's logits are sampled.
+    naive=True recomputes the whole context every step (the oracle).
+    Returns (new token ids, exit depth per new token)."""
+    from ragged import DenseLanes  # the caches live in ragged.py
+    U = model.config.n_loops
+    if mode == "fixed" and not 1 <= (depth or 0) <= U:
+        raise UserError(f"--depth={depth} must be in 1..{U}")
+    check_prompt(model, ids, max_new_tokens)
+    sampler = sampler or (lambda logits: int(logits.argmax()))
+    ids, new, exits = list(ids), [], []
+    n_run = depth if mode == "fixed" else U
+    device = model.lm_head.weight.device
+    cache = None if naive else DenseLanes(model, n_run, len(ids) + max_new_tokens)
+    chunk, pos = ids, 0
+    for _ in range(max_new_tokens):
+        if naive:
+            logits, e = next_logits_naive(model, ids, mode, depth, thr)
+        else:
+            idx = torch.tensor([chunk], dtype=torch.long, device=device)
+            states, gates = forward_lanes(model, idx, cache, pos, n_run)
+            e = depth if mode == "fixed" else int(threshold_exit(gates[0], thr))
+            logits = model.lm_head(states[e - 1][0])
+            pos += len(chunk)
+        tok = sampler(logits)
+        ids.append(tok); new.append(tok); exits.append(e)
+        chunk = [tok]
+    return new, exits
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(obj, path):
+    """Atomic: write a temp file beside the target, then rename over it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def resolve_ckpt_path(path):
+    if os.path.isdir(path):
+        path = os.path.join(path, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint at {path!r}: give a ckpt.pt file or a directory holding one "
+                        "(train.py writes out_dir/ckpt.pt)")
+    return path
+
+
+def load_checkpoint(path, device="cpu", dtype=None):
+    """The one loader used by train, sample and serve. Returns (model, checkpoint dict)."""
+    path = resolve_ckpt_path(path)
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+        known = {f.name for f in fields(GPTConfig)}
+        cfg = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in known})
+        model = LoopedLM(cfg)
+        model.load_state_dict(ckpt["model"])
+    except UserError:
+        raise
+    except Exception as e:  # truncated file, not a checkpoint, wrong keys or shapes
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise UserError(f"cannot load checkpoint {path!r}: not a valid checkpoint ({type(e).__name__}: {first})")
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    model.eval()
+    return model, ckpt
+
+
+def model_args(cfg):
+    return asdict(cfg)

@@ -1,0 +1,217 @@
+"""
+Datasets -> data/<name>/{train,val}.bin (uint16 token ids, as nanoGPT) + meta.json.
+
+    python prepare_data.py                                  # synthetic (default, offline)
+    python prepare_data.py --dataset=shakespeare_char [--input=FILE]
+    python prepare_data.py --dataset=text --input=FILE [--tokenizer=gpt2 --tiktoken_file=PATH]
+    python prepare_data.py --dataset=fineweb_edu --tokens=10000000 [--tiktoken_file=PATH]
+
+`synthetic` mixes easy tokens with hard tokens whose needed depth is known, and saves a
+per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as val_labels.bin:
+  - templated sentences        "the red cat sees a dog."
+  - copy spans                 "copy kqzfm : kqzfm."       (the second span is predictable)
+  - k-hop variable chains      "x=3 a=5 b=a c=b ; c? 5"    (answer label k = hops, 1..4)
+  - digit sums mod 10          "sum 3+4+8=5"               (answer label = number of terms, 1..4)
+"""
+import json
+import os
+import random
+import sys
+import urllib.request
+
+import numpy as np
+
+from configurator import parse, run_cli
+from model import UserError
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
+
+DEFAULTS = dict(
+    dataset="synthetic",   # synthetic | shakespeare_char | text | fineweb_edu
+    data_dir="data",       # writes data_dir/<name>/
+    name="",               # output folder name (default: the dataset name)
+    seed=1337,
+    size=1_000_000,        # synthetic: characters in total (train + val)
+    val_fraction=0.1,
+    input="",              # shakespeare_char / text: local file (shakespeare downloads if empty)
+    tokenizer="char",      # text: char | gpt2
+    tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
+    tokens=10_000_000,     # fineweb_edu: how many tokens to take
+)
+CHOICES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"])
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+def gpt2_encoding(tiktoken_file=""):
+    """tiktoken's GPT-2 encoding; from a local ranks file when given (no network needed)."""
+    import tiktoken
+    if not tiktoken_file:
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise UserError(f"cannot fetch the GPT-2 encoding ({type(e).__name__}); "
+                            "pass --tiktoken_file=PATH to a gpt2.tiktoken ranks file")
+    if not os.path.isfile(tiktoken_file):
+        raise UserError(f"--tiktoken_file={tiktoken_file!r} does not exist")
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
+                             mergeable_ranks=load_tiktoken_bpe(tiktoken_file),
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+def char_meta(chars):
+    return {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars)}
+
+
+def load_tokenizer(meta, tiktoken_file=""):
+    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str)."""
+    if meta.get("tokenizer") == "char":
+        chars = meta["chars"]
+        stoi = {c: i for i, c in enumerate(chars)}
+
+        def encode(s):
+            bad = sorted({c for c in s if c not in stoi})
+            if bad:
+                raise UserError(f"characters {''.join(bad)!r} are not in this model's vocabulary "
+                                f"({chars!r})")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: "".join(chars[i] for i in ids)
+    if meta.get("tokenizer") == "gpt2":
+        enc = gpt2_encoding(tiktoken_file)
+        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2")
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+WORDS = dict(
+    det=["the", "a", "my", "one"],
+    adj=["red", "big", "old", "sad", "tiny", "green"],
+    noun=["cat", "dog", "bird", "king", "ship", "tree", "fox"],
+    verb=["sees", "likes", "finds", "eats", "helps", "hears"],
+)
+
+
+def _sentence(rng):
+    w = {k: rng.choice(v) for k, v in WORDS.items()}
+    return [(f"{w['det']} {w['adj']} {w['noun']} {w['verb']} the {rng.choice(WORDS['noun'])}.", 0)]
+
+
+def _copy(rng):
+    span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
+    return [(f"copy {span} : {span}.", 0)]
+
+
+def _chain(rng):
+    """k hops: the answer needs k look-ups. One distractor assignment is mixed in."""
+    k = rng.randint(1, 4)
+    names = rng.sample("abcdefghijklmnopqrstuvwxyz", k + 1)
+    value, other = rng.sample("0123456789", 2)
+    parts = [f"{names[0]}={value}"] + [f"{names[i]}={names[i - 1]}" for i in range(1, k)]
+    parts.insert(rng.randint(0, len(parts)), f"{names[k]}={other}")  # distractor
+    return [(" ".join(parts) + f" ; {names[k - 1]}? ", 0), (value, k)]
+
+
+def _digit_sum(rng):
+    n = rng.randint(1, 4)
+    terms = [rng.randint(0, 9) for _ in range(n)]
+    return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
+
+
+def synthetic_text(n_chars, seed):
+    """Deterministic text and per-character difficulty labels (0 = unlabelled)."""
+    rng = random.Random(seed)
+    text, labels, total = [], [], 0
+    makers = [_sentence, _copy, _chain, _digit_sum]
+    while total < n_chars:
+        for piece, label in rng.choice(makers)(rng) + [("\n", 0)]:
+            text.append(piece)
+            labels.extend([label] * len(piece))
+            total += len(piece)
+    return "".join(text), np.array(labels, dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------- writers
+
+def write_split(out, ids, val_fraction, labels=None, meta=None):
+    os.makedirs(out, exist_ok=True)
+    ids = np.asarray(ids)
+    if ids.max() >= 2 ** 16:
+        raise UserError(f"token id {ids.max()} does not fit uint16")
+    n_val = max(int(len(ids) * val_fraction), 1)
+    n_train = len(ids) - n_val
+    ids.astype(np.uint16)[:n_train].tofile(os.path.join(out, "train.bin"))
+    ids.astype(np.uint16)[n_train:].tofile(os.path.join(out, "val.bin"))
+    if labels is not None:
+        labels[n_train:].tofile(os.path.join(out, "val_labels.bin"))
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    print(f"wrote {out}: train {n_train:,} tokens, val {n_val:,} tokens, vocab {meta['vocab_size']}",
+          file=sys.stderr)
+
+
+def prepare(c):
+    out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
+    if c["dataset"] == "synthetic":
+        text, labels = synthetic_text(c["size"], c["seed"])
+        meta = char_meta(SYNTH_CHARS)
+        encode, _ = load_tokenizer(meta)
+        meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
+        write_split(out, encode(text), c["val_fraction"], labels, meta)
+    elif c["dataset"] in ("shakespeare_char", "text"):
+        text = _read_text(c)
+        if c["dataset"] == "text" and c["tokenizer"] == "gpt2":
+            meta = {"tokenizer": "gpt2", "vocab_size": 50257}
+            ids = load_tokenizer(meta, c["tiktoken_file"])[0](text)
+        else:
+            meta = char_meta(sorted(set(text)))
+            ids = load_tokenizer(meta)[0](text)
+        write_split(out, ids, c["val_fraction"], meta=meta)
+    else:
+        write_split(out, _fineweb_ids(c), c["val_fraction"], meta={"tokenizer": "gpt2", "vocab_size": 50257})
+    return out
+
+
+def _read_text(c):
+    if c["input"]:
+        if not os.path.isfile(c["input"]):
+            raise UserError(f"--input={c['input']!r} does not exist")
+        with open(c["input"], encoding="utf-8") as f:
+            return f.read()
+    if c["dataset"] == "text":
+        raise UserError("--dataset=text needs --input=FILE")
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as r:
+            return r.read().decode("utf-8")
+    except OSError as e:
+        raise UserError(f"cannot download tiny shakespeare ({e}); pass --input=FILE with a local copy")
+
+
+def _fineweb_ids(c):
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("--dataset=fineweb_edu needs the optional 'datasets' package: pip install datasets")
+    from tqdm import tqdm
+    enc = gpt2_encoding(c["tiktoken_file"])
+    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    ids, bar = [], tqdm(total=c["tokens"], unit="tok", desc="fineweb_edu")
+    for row in ds:
+        doc = enc.encode_ordinary(row["text"]) + [enc.eot_token]
+        ids.extend(doc)
+        bar.update(len(doc))
+        if len(ids) >= c["tokens"]:
+            break
+    bar.close()
+    return ids[:c["tokens"]]
+
+
+def main(argv):
+    prepare(parse(argv, DEFAULTS, CHOICES))
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,250 @@
+"""Objectives, schedules, configurator, data, resume exactness and bad input for train/sample/prepare."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import configurator
+import prepare_data
+import sample
+import train
+from model import UserError, exit_pdf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
+        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2"]
+
+
+# ----------------------------------------------------------------------------- priors and regularizers
+
+def test_priors_match_appendix_b():
+    assert torch.allclose(train.exit_prior("uniform", 4), torch.full((4,), 0.25, dtype=torch.float64))
+    g = train.exit_prior("geometric", 4)
+    p = train.exit_prior("poisson", 4)
+    assert torch.allclose(g, torch.tensor([0.395, 0.276, 0.193, 0.135], dtype=torch.float64), atol=6e-4)
+    assert torch.allclose(p, torch.tensor([0.315, 0.331, 0.232, 0.122], dtype=torch.float64), atol=6e-4)
+    d = torch.arange(1, 5, dtype=torch.float64)
+    assert abs(float((g * d).sum()) - 2.07) < 0.01 and abs(float((p * d).sum()) - 2.16) < 0.01
+    with pytest.raises(UserError):
+        train.exit_prior("zipf", 4)
+
+
+def test_local_and_global_kl_hand_computed():
+    pi = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    prior = torch.full((4,), 0.25, dtype=torch.float64)
+    # local: each one-hot token is log(1/0.25) = log 4 away from uniform
+    assert abs(float(train.kl_local(pi, prior)) - np.log(4)) < 1e-12
+    # global: the mean [0.5, 0, 0, 0.5] is 0.5 log 2 + 0.5 log 2 = log 2 away
+    assert abs(float(train.kl_global(pi, prior)) - np.log(2)) < 1e-12
+    # a batch that matches the prior on average: global 0, local still log 4
+    four = torch.eye(4, dtype=torch.float64)
+    assert abs(float(train.kl_global(four, prior))) < 1e-12
+    assert abs(float(train.kl_local(four, prior)) - np.log(4)) < 1e-12
+
+
+def test_dense_loss_hand_computed():
+    gates = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)   # λ = 0.5 -> π = [.5, .25, .125, .125]
+    losses = torch.tensor([[[4.0, 2.0, 1.0, 1.0]]], dtype=torch.float64)
+    prior = torch.full((4,), 0.25, dtype=torch.float64)
+    total, expected, reg = train.dense_loss(losses, gates, prior, global_kl=False, beta=0.1)
+    assert abs(float(expected) - (2 + 0.5 + 0.125 + 0.125)) < 1e-12
+    pi = np.array([.5, .25, .125, .125])
+    assert abs(float(reg) - float((pi * np.log(pi / 0.25)).sum())) < 1e-12
+    assert abs(float(total) - float(expected) - 0.1 * float(reg)) < 1e-12
+
+
+def test_global_gradient_differs_from_local():
+    g = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    prior = train.exit_prior("poisson", 4)
+    grads = []
+    for fn in (train.kl_local, train.kl_global):
+        (gr,) = torch.autograd.grad(fn(exit_pdf(g), prior), g)
+        grads.append(gr)
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_beta_schedule_knots():
+    assert train.beta_schedule(0.0) == 0.0
+    assert abs(train.beta_schedule(0.25) - 0.01) < 1e-12
+    assert abs(train.beta_schedule(0.5) - 0.02) < 1e-12
+    assert abs(train.beta_schedule(1.0) - 0.05) < 1e-12
+    assert abs(train.beta_schedule(0.125) - 0.005) < 1e-12   # cosine midpoint of the first segment
+    xs = [train.beta_schedule(i / 100) for i in range(101)]
+    assert all(b >= a for a, b in zip(xs, xs[1:]))
+    assert train.beta_schedule(0.3, beta=0.1) == 0.1
+
+
+# ----------------------------------------------------------------------------- configurator
+
+def test_configurator_three_forms_and_files(tmp_path):
+    d = dict(a=1, lr=0.1, name="x", flag=False, other=True, opt=None)
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("a = 7\nname = 'from_file'\n")
+    c = configurator.parse([str(cfg_file), "--a=3", "--lr", "2", "--flag", "--name", "y", "--opt=0.5",
+                            "--other", "False"], d)
+    assert c == dict(a=3, lr=2.0, name="y", flag=True, other=False, opt=0.5)
+    assert configurator.parse([str(cfg_file)], d)["a"] == 7
+    assert configurator.parse(["--lr", "-0.5"], d)["lr"] == -0.5
+    for bad in (["--nope=1"], ["--a=1.5"], ["--a"], ["--flag=maybe"], ["stray"], [str(tmp_path / "none.py")]):
+        with pytest.raises(UserError):
+            configurator.parse(bad, d)
+    with pytest.raises(UserError, match="allowed"):
+        configurator.parse(["--nope=1"], d)
+    with pytest.raises(UserError, match="choose one of"):
+        configurator.parse(["--name=z"], d, choices={"name": ["x", "y"]})
+    cfg_file.write_text("unknown_key = 1\n")
+    with pytest.raises(UserError):
+        configurator.parse([str(cfg_file)], d)
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
+    t1, l1 = prepare_data.synthetic_text(20000, seed=3)
+    t2, l2 = prepare_data.synthetic_text(20000, seed=3)
+    t3, _ = prepare_data.synthetic_text(20000, seed=4)
+    assert t1 == t2 and np.array_equal(l1, l2) and t1 != t3
+    assert len(t1) == len(l1)
+    lines = t1.split("\n")[:-1]
+    pos, seen = 0, set()
+    for line in lines:
+        labels = l1[pos:pos + len(line)]
+        if "?" in line:  # chain: follow the assignments by brute force
+            left, q = line.split(" ; ")
+            env = dict(p.split("=") for p in left.split())
+            var, ans = q.split("? ")
+            hops, v = 0, var
+            while not env[v].isdigit():
+                v, hops = env[v], hops + 1
+            assert env[v] == ans and labels[-1] == hops + 1 and labels[:-1].sum() == 0
+            seen.add(("chain", hops + 1))
+        elif line.startswith("sum "):
+            terms, ans = line[4:].split("=")
+            terms = [int(t) for t in terms.split("+")]
+            assert sum(terms) % 10 == int(ans) and labels[-1] == len(terms) and labels[:-1].sum() == 0
+            seen.add(("sum", len(terms)))
+        else:
+            assert labels.sum() == 0
+            if line.startswith("copy "):
+                a, b = line[5:-1].split(" : ")
+                assert a == b
+        pos += len(line) + 1
+    assert {("chain", k) for k in range(1, 5)} <= seen and {("sum", k) for k in range(1, 5)} <= seen
+    out = prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=str(tmp_path), size=20000, seed=3))
+    val = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16)
+    lab = np.fromfile(os.path.join(out, "val_labels.bin"), dtype=np.uint8)
+    train_ids = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16)
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    enc, dec = prepare_data.load_tokenizer(meta)
+    assert dec(list(train_ids)) + dec(list(val)) == t1[:len(train_ids) + len(val)]
+    assert len(lab) == len(val) and np.array_equal(lab, l1[len(train_ids):len(train_ids) + len(val)])
+
+
+def test_text_dataset_gpt2_offline(tmp_path):
+    shared = os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+    src = tmp_path / "in.txt"
+    src.write_text("hello world, " * 50)
+    # char-level needs nothing
+    out = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="text", input=str(src), data_dir=str(tmp_path)))
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(set("hello world, "))
+    with pytest.raises(UserError):
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="text", input=str(tmp_path / "missing")))
+    with pytest.raises(UserError):
+        prepare_data.gpt2_encoding(str(tmp_path / "missing.tiktoken"))
+    if os.path.isfile(shared):  # an optional extra check when the offline ranks file is around
+        enc = prepare_data.gpt2_encoding(shared)
+        assert enc.decode(enc.encode("hello world")) == "hello world" and enc.n_vocab == 50257
+
+
+# ----------------------------------------------------------------------------- training end to end
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=str(d), size=30000))
+    return str(d)
+
+
+def read_log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, data_dir):
+    common = TINY + [f"--data_dir={data_dir}", "--max_iters=8", "--eval_interval=4", "--global_kl",
+                     "--prior=geometric"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    train.main(common + [f"--out_dir={full}"])
+    train.main(common + [f"--out_dir={split}", "--stop_iter=4"])
+    assert torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["iter_num"] == 4
+    train.main(common + [f"--out_dir={split}", "--init_from=resume"])
+    a = [r["train_loss"] for r in read_log(full) if "train_loss" in r]
+    b = [r["train_loss"] for r in read_log(split) if "train_loss" in r]
+    assert len(a) == 8 and a == b
+    ea = [r["val_loss_fixed"] for r in read_log(full) if "val_loss_fixed" in r]
+    eb = [r["val_loss_fixed"] for r in read_log(split) if "val_loss_fixed" in r]
+    assert ea[-1] == eb[-1]
+
+
+def test_training_beats_unigram_and_logs_metrics(tmp_path, data_dir):
+    out = str(tmp_path / "o")
+    m = train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=60", "--eval_interval=30",
+                           "--batch_size=16", "--block_size=32", "--learning_rate=3e-3"])
+    rec = read_log(out)[-1]
+    assert rec["iter"] == 60 and len(rec["val_loss_fixed"]) == 4 and len(rec["exit_fractions"]) == 4
+    assert abs(sum(rec["exit_fractions"]) - 1) < 1e-3 and 1 <= rec["avg_exit_depth"] <= 4
+    assert min(m["val_loss_fixed"]) < rec["unigram_loss"] - 0.3
+    # and sample.py reads the checkpoint back
+    res = sample.main(["--ckpt", out, "--thr", "0.5", "--json", "--max_new_tokens=5"])
+    assert len(res[0]["tokens"]) == 5 and all(1 <= e <= 4 for e in res[0]["exits"])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def run_cli(script, *args, cwd):
+    return subprocess.run([sys.executable, os.path.join(HERE, script), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):
+    out = str(tmp_path_factory.mktemp("ckpt"))
+    train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"])
+    return out
+
+
+@pytest.mark.parametrize("args", [
+    ["--thr", "1.5"], ["--thr=-0.1"], ["--thr=abc"], ["--mode=warp"], ["--depth=9"], ["--bogus=1"],
+    ["--top_p=0"], ["--prompt_ids=1,x"], ["--prompt=" + "a" * 40], ["--prompt=ABC"],
+])
+def test_sample_bad_input_is_a_user_error(trained, args):
+    with pytest.raises(UserError):
+        sample.main(["--ckpt", trained] + args)
+
+
+@pytest.mark.parametrize("args", [["--prior=zipf"], ["--max_iters=ten"], ["--unknown"], ["--beta=-1"],
+                                  ["--dataset=missing"], ["--init_from=resume"]])
+def test_train_bad_input_is_a_user_error(tmp_path, data_dir, args):
+    with pytest.raises(UserError):
+        train.main([f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'empty'}"] + args)
+
+
+def test_cli_errors_are_one_line_exit_2_and_nothing_lost(tmp_path, trained):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    ckpt = os.path.join(trained, "ckpt.pt")
+    before = open(ckpt, "rb").read()
+    cases = [("sample.py", "--ckpt", str(bad)), ("sample.py", "--ckpt", str(tmp_path / "nowhere")),
+             ("sample.py", "--ckpt", trained, "--thr", "2"), ("train.py", "--prior=zipf"),
+             ("train.py", f"--out_dir={trained}", "--n_layer=two"), ("prepare_data.py", "--dataset=imagenet")]
+    for script, *args in cases:
+        r = run_cli(script, *args, cwd=str(tmp_path))
+        assert r.returncode == 2, (script, args, r.stderr)
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("error: ")
+    assert bad.read_bytes() == b"not a checkpoint" and open(ckpt, "rb").read() == before
