@@ -360,6 +360,208 @@ def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampl
     return new, exits
 
 
+# ----------------------------------------------------------------------------- Ragged KV (§3, Eq. 7)
+
+FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (exit at the last)
+
+
+class TerminalKV:
+    """Attention hook of the dense-shaped ragged forward: per layer, the K/V of tokens that
+    stopped (`frozen`) are replaced by their terminal K/V, the last depth they ran (Eq. 7)."""
+
+    def __init__(self, n_layer):
+        self.k, self.v = [None] * n_layer, [None] * n_layer
+        self.frozen = None  # (B, T) bool
+
+    def layer_kv(self, layer, k, v):
+        if self.k[layer] is not None:
+            keep = self.frozen[:, None, :, None]
+            k, v = torch.where(keep, self.k[layer], k), torch.where(keep, self.v[layer], v)
+        self.k[layer], self.v[layer] = k, v
+        T = k.shape[2]
+        return k, v, torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
+
+
+def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None, n_run=None):
+    """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but once a
+    token stops, its hidden state is frozen and, in every layer, later tokens read its terminal
+    K/V instead of fresh ones. The oracle of the paged path, and the training path.
+
+    Exits, decided online at each depth from gates <= d: given (`exits`, 1-based, B x T), sampled
+    (`uniforms` B x T x U: exit at d when u_d < λ_d), or by threshold (`taus`, a number or B x T).
+    `full` (B x T bool): keep running to the last depth after the exit is decided (dense prefill).
+    Returns exits, gate_logits, the normed exit states, logits at the exit and, with targets,
+    the mean cross-entropy at the exit depth (one logits computation)."""
+    B, T = idx.shape
+    U = n_run or model.config.n_loops
+    h = model.embed_tokens(idx)
+    cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
+    pdt = torch.promote_types(h.dtype, torch.float32)
+    if taus is not None and not torch.is_tensor(taus):
+        taus = torch.full((B, T), float(taus), dtype=pdt, device=idx.device)
+    full = torch.zeros(B, T, dtype=torch.bool, device=idx.device) if full is None else full
+    survive = torch.ones(B, T, dtype=pdt, device=idx.device)
+    decided = torch.zeros(B, T, dtype=torch.long, device=idx.device)
+    stopped = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
+    states = torch.zeros_like(h)
+    gates, kv = [], TerminalKV(model.config.n_layer)
+    for d in range(U):
+        kv.frozen = stopped
+        hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
+        gates.append(gate)
+        if exits is not None:
+            now = exits == d + 1
+        elif uniforms is not None:
+            now = uniforms[..., d] < torch.sigmoid(gate.detach().to(uniforms.dtype))
+        else:
+            survive, now = exit_now(survive, gate.detach(), taus)  # Eq. 4, online
+        new = (decided == 0) & (now | (d == U - 1))
+        decided = torch.where(new, d + 1, decided)
+        states = torch.where(new[..., None], hn, states)
+        h = torch.where(stopped[..., None], h, h_next)           # exited tokens stay frozen
+        stopped = stopped | (new & ~full) | (d == U - 1)
+    out = {"exits": decided, "gate_logits": torch.stack(gates, -1), "states": states}
+    logits = model.lm_head(states)
+    out["logits"] = logits
+    if targets is not None:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        out["loss"] = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+    return out
+
+
+@torch.no_grad()
+def run_chunk(model, seq, ids, taus, full=None, n_run=None):
+    """Compact paged forward of new tokens (a prompt chunk, or one decode token): at each depth
+    only the tokens still running are gathered and computed, reading history through the page
+    table of `seq` (ragged.RaggedSeq). Prefill stays parallel: depth d runs for all still-active
+    prompt tokens at once, since depth-d work needs only depths <= d (Eq. 7 causality).
+
+    taus: per-token thresholds (FULL = never exit early); full: keep running to the last depth
+    after the exit is decided. Returns 1-based exits and the normed states at the exit."""
+    from ragged import PagedView
+    U = n_run or model.config.n_loops
+    T = len(ids)
+    pos = seq.extend(T)
+    h = model.embed_tokens(ids)
+    cos_all, sin_all = model.rope(pos.to(h.device), h.dtype)
+    pdt = torch.promote_types(h.dtype, torch.float32)
+    taus = torch.as_tensor(taus, dtype=pdt).expand(T)
+    full = torch.zeros(T, dtype=torch.bool) if full is None else torch.as_tensor(full).expand(T)
+    survive = torch.ones(T, dtype=pdt)
+    exits = torch.zeros(T, dtype=torch.long)
+    states = torch.zeros_like(h)
+    run = torch.arange(T)                                       # indices of running tokens
+    for d in range(U):
+        p = pos[run]
+        pages = seq.alloc_depth(p, d)                           # a page only when a depth really runs
+        hb = model.block(h[run][None], cos_all[run], sin_all[run], PagedView(seq, d, p, pages))[0]
+        hn, gate, h_next = model.exit_heads(hb)
+        survive[run], now = exit_now(survive[run], gate, taus[run])  # Eq. 4, online
+        new = (exits[run] == 0) & (now | (d == U - 1))
+        exits[run[new]] = d + 1
+        states[run[new]] = hn[new]
+        h[run] = h_next
+        stop = (new & ~full[run]) | (d == U - 1)
+        seq.stop(p[stop], d)                                    # Eq. 11: deeper rows alias P_{i,e_i}
+        run = run[~stop]
+        if len(run) == 0:
+            break
+    return exits, states
+
+
+def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
+    """Per-token thresholds for an ETE-Ragged prefill (App. E.2): a threshold of its own, a cosine
+    schedule from 1 (full depth) at the first prompt token down to τ at the last, and the first k
+    tokens at full depth (the Ouro-2.6B prefix fix)."""
+    base = thr if prefill_thr is None else prefill_thr
+    taus = torch.full((n,), float(base), dtype=torch.float64)
+    if prefill_schedule == "cosine" and n > 1:
+        t = torch.arange(n, dtype=torch.float64) / (n - 1)
+        taus = base + (1 - base) * (1 + torch.cos(math.pi * t)) / 2
+    taus[:prefix_full] = FULL
+    return taus
+
+
+# mode -> how prompt and decode tokens run, and which depth the Table 17 baselines keep.
+#   prompt: 'full' (dense prefill, all U lanes), 'ragged' (ETE); decode_full: run all U loops;
+#   keep: None (Ragged KV tables) or which depth every later read uses ('last' = U, 'exit' = e_i).
+PAGED_MODES = {
+    "fixed": dict(prompt="fixed", decode_full=False, keep_prompt=None, keep_decode=None),
+    "ouro": dict(prompt="full", decode_full=True, keep_prompt=None, keep_decode=None),
+    "dense_ragged": dict(prompt="full", decode_full=False, keep_prompt=None, keep_decode=None),
+    "ete_ragged": dict(prompt="ragged", decode_full=False, keep_prompt=None, keep_decode=None),
+    "last_kv": dict(prompt="full", decode_full=True, keep_prompt="last", keep_decode="last"),
+    "shared_kv": dict(prompt="full", decode_full=False, keep_prompt="last", keep_decode="exit"),
+    "collapse_kv": dict(prompt="collapse", decode_full=False, keep_prompt="exit", keep_decode="exit"),
+}
+
+
+@torch.no_grad()
+def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, depth=None, sampler=None,
+                   prefill_thr=None, prefill_schedule="", prefix_full=0, pool=None):
+    """Generate through the paged Ragged-KV cache. Modes: see PAGED_MODES and sample.py.
+    Returns a dict: tokens, exits (depth that produced each new token), prompt_exits,
+    decode_exits (by position), kv (physical / logical / dense rows, peak pages, block_evals)."""
+    from ragged import PagePool, RaggedSeq
+    cfg = model.config
+    U = cfg.n_loops
+    if mode not in PAGED_MODES:
+        raise UserError(f"mode {mode!r}; allowed: {', '.join(PAGED_MODES)}")
+    check_prompt(model, ids, max_new_tokens)
+    rule = PAGED_MODES[mode]
+    n_run = depth if mode == "fixed" else U
+    if mode == "fixed" and not 1 <= (depth or 0) <= U:
+        raise UserError(f"--depth={depth} must be in 1..{U}")
+    sampler = sampler or (lambda logits: int(logits.argmax()))
+    max_len = len(ids) + max_new_tokens
+    pool = pool or PagePool.for_model(model, max_len * U)
+    seq = RaggedSeq(pool, U, max_len)
+    device = model.lm_head.weight.device
+    try:
+        n = len(ids)
+        if rule["prompt"] == "ragged":
+            taus, full = prompt_thresholds(n, thr, prefill_thr, prefill_schedule, prefix_full), False
+        elif rule["prompt"] == "collapse":
+            taus, full = prompt_thresholds(n, thr, prefill_thr, prefill_schedule, prefix_full), True
+        elif rule["prompt"] == "fixed":
+            taus, full = FULL, False
+        else:
+            taus, full = (thr if mode == "ouro" else FULL), True
+        exits, states = run_chunk(model, seq, torch.tensor(ids, device=device), taus, full, n_run)
+        _keep(seq, torch.arange(n), exits, rule["keep_prompt"], U)
+        prompt_exits, decode_exits = exits.tolist(), []
+        new = [sampler(model.lm_head(states[-1]))]
+        dec_tau = FULL if mode == "fixed" else thr
+        for _ in range(max_new_tokens - 1):
+            e, st = run_chunk(model, seq, torch.tensor(new[-1:], device=device), dec_tau,
+                              rule["decode_full"], n_run)
+            _keep(seq, torch.tensor([seq.n - 1]), e, rule["keep_decode"], U)
+            decode_exits.append(int(e[0]))
+            new.append(sampler(model.lm_head(st[-1])))
+        kv = dict(seq.stats(), peak=pool.peak)
+    finally:
+        seq.release()
+    return {"tokens": new, "exits": prompt_exits[-1:] + decode_exits, "prompt_exits": prompt_exits,
+            "decode_exits": decode_exits, "kv": kv}
+
+
+def _keep(seq, pos, exits, keep, U):
+    """Table 17 baselines: after a chunk, keep one depth per token for every later read."""
+    if keep == "last":
+        seq.collapse(pos, torch.full_like(exits, U - 1))
+    elif keep == "exit":
+        seq.collapse(pos, exits - 1)
+
+
+def exit_stats(exits, U):
+    """Exit-depth fractions, jump rates J_k = P(|e_i - e_{i-1}| = k) and the large-jump rate."""
+    e = torch.as_tensor(exits, dtype=torch.long).reshape(-1)
+    fr = [float((e == d).double().mean()) if len(e) else 0.0 for d in range(1, U + 1)]
+    jumps = (e[1:] - e[:-1]).abs()
+    jr = [float((jumps == k).double().mean()) if len(jumps) else 0.0 for k in range(U)]
+    return {"exit_fractions": fr, "jump_rates": jr, "large_jump_rate": float(sum(jr[2:]))}
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(obj, path):

@@ -37,3 +37,157 @@ class DenseLanes:
 
     def rows(self, n_tokens):
         return self.k.shape[0] * n_tokens
+
+
+# ----------------------------------------------------------------------------- Ragged KV pages (App. A.1)
+
+class PoolExhausted(Exception):
+    """The page pool has too few free pages. Nothing was allocated; every sequence is unchanged."""
+
+
+class PageError(Exception):
+    """A bug in page ownership: double free, freeing another sequence's page, writing an alias."""
+
+
+class PagePool:
+    """Physical K/V storage. One page = one token's K and V at one depth, in every layer.
+    k[layer, page] has shape (n_kv_head, head_dim). A free list hands pages out."""
+
+    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu"):
+        self.n_pages = n_pages
+        self.k = torch.zeros(n_layer, n_pages, n_kv_head, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
+        self.owner = [None] * n_pages                 # which sequence holds each page
+        self.peak = 0
+        self.writes = 0
+
+    @classmethod
+    def for_model(cls, model, n_pages):
+        cfg, p = model.config, model.lm_head.weight
+        return cls(n_pages, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, p.dtype, p.device)
+
+    @property
+    def used(self):
+        return self.n_pages - len(self.free)
+
+    def alloc(self, n, owner):
+        if n > len(self.free):
+            raise PoolExhausted(f"need {n} KV pages, {len(self.free)} of {self.n_pages} free")
+        pages = [self.free.pop() for _ in range(n)]
+        for p in pages:
+            self.owner[p] = owner
+        self.peak = max(self.peak, self.used)
+        return pages
+
+    def release(self, pages, owner):
+        pages = list(pages)
+        for p in pages:  # check everything before changing anything
+            if self.owner[p] is not owner:
+                raise PageError(f"page {p} is not held by this sequence (double free or foreign page)")
+        if len(set(pages)) != len(pages):
+            raise PageError("the same page released twice in one call")
+        for p in pages:
+            self.owner[p] = None
+            self.free.append(p)
+
+    def check(self):
+        """Invariants: every page is free xor owned; the free list has no duplicates."""
+        free = set(self.free)
+        assert len(free) == len(self.free), "a page is free twice"
+        for p in range(self.n_pages):
+            assert (p in free) == (self.owner[p] is None), f"page {p} is both free and owned, or neither"
+
+
+class RaggedSeq:
+    """One sequence's logical page table: table[i, d-1] = the page token i is read from at depth d.
+
+    A page is allocated only when a token actually runs a depth. When token i stops running at
+    depth r (its exit), rows d > r alias its terminal page (Eq. 11: A_d[i] = P_{i,min(d,e_i)}) and
+    nothing deeper is ever held. Reads may alias; writes go only to a token's own page at the depth
+    it is running, never through an alias (write_pages checks it)."""
+
+    def __init__(self, pool, n_loops, max_len):
+        self.pool, self.U = pool, n_loops
+        self.table = torch.full((max_len, n_loops), -1, dtype=torch.long)
+        self.real = torch.zeros((max_len, n_loops), dtype=torch.bool)  # True: an owned page, not an alias
+        self.n = 0              # positions so far
+        self.block_evals = 0    # token-depth block applications executed
+        self.released = False
+
+    def extend(self, T):
+        if self.n + T > self.table.shape[0]:
+            raise PoolExhausted(f"sequence of {self.n + T} tokens exceeds its table of {self.table.shape[0]}")
+        pos = torch.arange(self.n, self.n + T)
+        self.n += T
+        return pos
+
+    def alloc_depth(self, pos, d):
+        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it)."""
+        assert not self.real[pos, d].any() and (d == 0 or self.real[pos, d - 1].all())
+        pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
+        self.table[pos, d] = pages
+        self.real[pos, d] = True
+        self.block_evals += len(pos)
+        return pages
+
+    def stop(self, pos, d):
+        """Tokens in `pos` ran their last depth d (0-based): deeper rows alias P_{i,d} (Eq. 11)."""
+        self.table[pos, d + 1:] = self.table[pos, d:d + 1]
+
+    def collapse(self, pos, depth):
+        """Table 17 baselines: read token i at one depth (0-based depth[i]) from every depth, and
+        free its other pages."""
+        keep = self.table[pos, depth]
+        drop = self.real[pos] & (self.table[pos] != keep[:, None])
+        self.pool.release(self.table[pos][drop].tolist(), self)
+        self.table[pos] = keep[:, None]
+        self.real[pos] = False
+        self.real[pos, depth] = True
+
+    def write_pages(self, pos, d, pages):
+        if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
+            raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
+        self.pool.writes += len(pages)
+
+    def release(self):
+        """Return every page this sequence owns."""
+        if not self.released:
+            self.pool.release(self.table[:self.n][self.real[:self.n]].tolist(), self)
+            self.released = True
+
+    def stats(self):
+        n = self.n
+        return {"physical": int(self.real[:n].sum()), "logical": int((self.table[:n] >= 0).sum()),
+                "dense": n * self.U, "block_evals": self.block_evals}
+
+    def check(self):
+        """Every table entry points to a live page of this sequence; real pages are distinct."""
+        t, r = self.table[:self.n], self.real[:self.n]
+        pages = t[t >= 0].tolist()
+        assert all(self.pool.owner[p] is self for p in pages), "table points to a page not held"
+        real = t[r].tolist()
+        assert len(set(real)) == len(real), "a page owned twice"
+        assert sum(o is self for o in self.pool.owner) == len(real), "a leaked page"
+
+
+class PagedView:
+    """The attention hook for one block application at 0-based depth d over a paged sequence
+    (torch reference: gather + SDPA). Active tokens at positions `pos` write their fresh pages,
+    then every query reads keys 0..its own position through the table column of depth d, so token
+    j is read at depth min(d, e_j) (Eq. 7) with no copy."""
+
+    def __init__(self, seq, d, pos, pages):
+        self.seq, self.d, self.pos, self.pages = seq, d, pos, pages
+        self.n_keys = int(pos.max()) + 1
+        self.ids = seq.table[:self.n_keys, d]
+        self.mask = torch.arange(self.n_keys)[None, :] <= pos[:, None]
+
+    def layer_kv(self, layer, k, v):
+        pool = self.seq.pool
+        self.seq.write_pages(self.pos, self.d, self.pages)      # writes never go through an alias
+        pool.k[layer, self.pages] = k[0].transpose(0, 1)
+        pool.v[layer, self.pages] = v[0].transpose(0, 1)
+        keys = pool.k[layer, self.ids].transpose(0, 1)[None]   # (1, Hkv, n_keys, D)
+        values = pool.v[layer, self.ids].transpose(0, 1)[None]
+        return keys, values, self.mask.to(k.device)

@@ -6,10 +6,16 @@ Generate from a trained looped LM (or, later, an Ouro checkpoint) and show how d
     python sample.py --ckpt out/ --prompt "a=5 b=a ; b? " --temperature=0 --json
 
 Modes
-  fixed   every token runs --depth loops (default U); one KV lane per loop actually run.
-  ouro    Ouro's own decode: every token runs all U loops and fills all U KV lanes; the threshold
-          --thr (Eq. 4) only chooses which depth's logits are sampled. No compute is saved.
-With no --mode: `ouro` when --thr is given, else `fixed` at depth U.
+  fixed         every token runs --depth loops (default U); one KV lane per loop actually run.
+  ouro          Ouro's own decode: every token runs all U loops and fills all U KV lanes; the
+                threshold --thr (Eq. 4) only chooses which depth's logits are sampled.
+  dense_ragged  the prompt is prefilled at full depth (all U lanes); each decode token runs only
+                until it exits and later tokens read it at min(d, e) (Ragged KV, Eq. 7).
+  ete_ragged    Ragged KV end to end: the prompt too exits early, prefilled depth by depth.
+                Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
+  last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
+With no --mode: `dense_ragged` when --thr is given (the paper's safe choice), else `fixed` at U.
+fixed and ouro run on Ouro's dense per-depth lanes; the others on the paged Ragged-KV pool.
 Sampling defaults follow the paper: temperature 1.0, top-p 0.7, top-k off.
 """
 import json
@@ -19,7 +25,7 @@ import sys
 import torch
 
 from configurator import parse, run_cli
-from model import UserError, generate, load_checkpoint
+from model import UserError, exit_stats, generate_paged, load_checkpoint, sample_token
 from prepare_data import load_tokenizer
 
 DEFAULTS = dict(
@@ -33,14 +39,18 @@ DEFAULTS = dict(
     top_p=0.7,             # 1.0 = off
     seed=1337,
     thr=None,              # exit threshold τ in [0, 1] (Eq. 4)
-    mode="",               # fixed | ouro (empty: see above)
+    mode="",               # fixed | ouro | dense_ragged | ete_ragged | last_kv | shared_kv | collapse_kv
     depth=None,            # fixed mode: loops per token (default U)
+    prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
+    prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
+    prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     json=False,            # print one JSON object as the last line of stdout
+    show_exits=False,      # print the text with each new token colored by its exit depth
     device="cpu",
     dtype="",              # float32 | float64 | bfloat16 (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
-MODES = ["fixed", "ouro"]
+MODES = ["fixed", "ouro", "dense_ragged", "ete_ragged", "last_kv", "shared_kv", "collapse_kv"]
 
 
 def check_args(c, U):
@@ -49,7 +59,14 @@ def check_args(c, U):
     thr = c["thr"]
     if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1):
         raise UserError(f"--thr={thr!r} must be a number in [0, 1]")
-    mode = c["mode"] or ("ouro" if thr is not None else "fixed")
+    mode = c["mode"] or ("dense_ragged" if thr is not None else "fixed")
+    pthr = c["prefill_thr"]
+    if pthr is not None and (isinstance(pthr, bool) or not isinstance(pthr, (int, float)) or not 0 <= pthr <= 1):
+        raise UserError(f"--prefill_thr={pthr!r} must be a number in [0, 1]")
+    if c["prefill_schedule"] not in ("", "cosine"):
+        raise UserError(f"--prefill_schedule={c['prefill_schedule']!r}; allowed: cosine (or leave it empty)")
+    if c["prefix_full"] < 0:
+        raise UserError(f"--prefix_full={c['prefix_full']!r} must be >= 0")
     depth = c["depth"]
     if depth is None:
         depth = U
@@ -85,6 +102,41 @@ def prompt_ids(c, meta, encode):
     return encode(text)
 
 
+def summarize(r, U):
+    """The JSON record of one generation: exits, average depths, KV rows, block evaluations,
+    exit fractions and jump rates over every position that ran."""
+    pe, de = r["prompt_exits"], r["decode_exits"]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    stats = exit_stats(pe + de, U)
+    return {"tokens": r["tokens"], "exits": r["exits"], "prompt_exits": pe, "decode_exits": de,
+            "avg_depth": {"prefill": mean(pe), "decode": mean(de), "overall": mean(pe + de)},
+            "kv_rows": {k: r["kv"][k] for k in ("physical", "dense", "logical", "peak")},
+            "block_evals": r["kv"]["block_evals"], **stats}
+
+
+COLORS = {1: "\033[32m", 2: "\033[36m", 3: "\033[33m", 4: "\033[31m"}  # green, cyan, yellow, red
+MARKS = "₁₂₃₄₅₆₇₈₉"               # subscript digits
+
+
+def show_exits(tokens, exits, decode, U, prompt_text):
+    """The generated text with each token colored by the depth that produced it (a subscript
+    depth after each token when stdout is not a terminal), and a legend."""
+    color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    piece = (lambda t: decode([t])) if decode else (lambda t: f"{t} ")
+    out = []
+    for t, e in zip(tokens, exits):
+        if color:
+            out.append(COLORS.get(e, "\033[35m") + piece(t) + "\033[0m")
+        else:
+            out.append(piece(t) + MARKS[min(e, 9) - 1])
+    if color:
+        legend = " ".join(COLORS.get(d, "\033[35m") + f"depth {d}" + "\033[0m" for d in range(1, U + 1))
+    else:
+        legend = "each token is followed by the depth that produced it: " + " ".join(
+            f"{MARKS[d - 1]}={d}" for d in range(1, min(U, 9) + 1))
+    return f"{prompt_text}{''.join(out)}\n-- legend: {legend}"
+
+
 def main(argv):
     c = parse(argv, DEFAULTS)
     dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -108,19 +160,24 @@ def main(argv):
     torch.manual_seed(c["seed"])
 
     def sampler(logits):
-        from model import sample_token
         return sample_token(logits, c["temperature"], c["top_k"], c["top_p"], gen)
 
     samples = []
     for s in range(c["num_samples"]):
-        new, exits = generate(model, ids, c["max_new_tokens"], mode, depth, thr, sampler)
-        text = decode(new) if decode else None
-        samples.append({"tokens": new, "text": text, "exits": exits})
-        if not c["json"]:
-            print((decode(ids) if decode else "") + (text if text is not None else str(new)))
+        r = generate_paged(model, ids, c["max_new_tokens"], mode, thr, depth, sampler,
+                           c["prefill_thr"], c["prefill_schedule"], c["prefix_full"])
+        rec = summarize(r, U)
+        rec["text"] = decode(r["tokens"]) if decode else None
+        samples.append(rec)
+        if c["show_exits"]:
+            print(show_exits(r["tokens"], r["exits"], decode, U, (decode(ids) if decode else str(ids))))
+        elif not c["json"]:
+            print((decode(ids) if decode else "") + (rec["text"] if decode else str(r["tokens"])))
             print("-" * 40)
-        avg = sum(exits) / len(exits)
-        print(f"sample {s}: mode={mode} thr={thr} avg exit depth {avg:.2f} of U={U}", file=sys.stderr)
+        a, kv = rec["avg_depth"], rec["kv_rows"]
+        print(f"sample {s}: mode={mode} thr={thr} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
+              f"overall {a['overall']:.2f} of U={U}; KV rows {kv['physical']}/{kv['dense']} "
+              f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}", file=sys.stderr)
     if c["json"]:
         print(json.dumps({"mode": mode, "thr": thr, "depth": depth if mode == "fixed" else None,
                           "n_loops": U, "prompt_tokens": ids, "samples": samples}))
