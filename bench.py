@@ -4,6 +4,10 @@ ratio measured in the same run (absolute times only mean something on a GPU).
 
     python bench.py                       # decode: fixed@U, Ouro mode, Dense-/ETE-Ragged at τ 0.3, 0.5
     python bench.py --ckpt out/           # ... on a trained checkpoint instead of the random bench model
+    python bench.py --what=train          # time per optimizer step of each training objective vs dense
+
+Training target (App. C): direct RA, averaged over a dense + ragged pair, costs <= 1.0x a dense
+step; counterfactual and REINFORCE cost more.
 
 Decode targets (issue 3): KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged
 mode >= 0.8 × U/Ē times fixed@U's (the paper: 41.1 vs 25.0 tok/s at batch 1 on an H100).
@@ -26,6 +30,9 @@ DEFAULTS = dict(
     thr="0.3,0.5",
     seed=0,
     threads=0,             # torch threads (0: leave as is)
+    steps=4,               # train: timed optimizer steps per objective (after one warm-up step)
+    batch_size=8,
+    block_size=128,
 )
 
 
@@ -100,12 +107,54 @@ def bench_decode(c):
                       for k, v in rows.items()}}
 
 
+def bench_train(c):
+    import train
+    from types import SimpleNamespace
+    torch.manual_seed(c["seed"])
+    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=2, n_head=4, n_kv_head=4, n_embd=256,
+                    ffn_hidden=704)
+    model = LoopedLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    prior = train.exit_prior("poisson", cfg.n_loops)
+    B, T, U = c["batch_size"], c["block_size"], cfg.n_loops
+    g = torch.Generator().manual_seed(c["seed"])
+    x = torch.randint(0, 256, (B, T), generator=g)
+    y = torch.randint(0, 256, (B, T), generator=g)
+    variants = {"dense": dict(ragged_aware=False), "direct_ra": dict(ragged_aware=True, ra_method="direct"),
+                "counterfactual": dict(ragged_aware=True, ra_method="counterfactual"),
+                "reinforce_k1": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=1),
+                "reinforce_k4": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=4)}
+    rows = {}
+    for name, v in variants.items():
+        tc = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, **v))
+
+        def step(it):
+            u = torch.rand(train.n_uniforms(tc), B, T, U, generator=g)
+            loss, _ = train.objective(model, x, y, it, prior, tc, 0.01, u)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step(0), step(1)  # warm-up
+        t0 = time.perf_counter()
+        for it in range(2 * c["steps"]):  # even and odd steps alike: a pair covers dense + ragged
+            step(it)
+        rows[name] = (time.perf_counter() - t0) / (2 * c["steps"])
+    base = rows["dense"]
+    print(f"{'objective':<16}{'ms/step':>10}{'× dense':>9}", file=sys.stderr)
+    for name, t in rows.items():
+        print(f"{name:<16}{1000 * t:>10.1f}{t / base:>9.2f}", file=sys.stderr)
+    return {"bench": "train", "model": f"L=2 d=256 U={U}", "batch": [B, T], "device": "cpu",
+            "ms_per_step": {k: round(1000 * v, 2) for k, v in rows.items()},
+            "ratio_to_dense": {k: round(v / base, 3) for k, v in rows.items()},
+            "direct_ra_meets_target": rows["direct_ra"] / base <= 1.0}
+
+
 def main(argv):
-    c = parse(argv, DEFAULTS, dict(what=["decode"]))
+    c = parse(argv, DEFAULTS, dict(what=["decode", "train"]))
     if c["threads"]:
         torch.set_num_threads(c["threads"])
     torch.manual_seed(c["seed"])
-    print(json.dumps(bench_decode(c)))
+    print(json.dumps(bench_decode(c) if c["what"] == "decode" else bench_train(c)))
 
 
 if __name__ == "__main__":

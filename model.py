@@ -232,6 +232,15 @@ def exit_pdf(gate_logits):
     return torch.cat([pdf[..., :-1], before[..., -1:]], dim=-1)     # the last depth takes the rest
 
 
+def exit_log_pdf(gate_logits):
+    """log π(d) of Eq. 3 in log space: log λ_d + Σ_{r<d} log(1-λ_r); the last depth takes the rest."""
+    g = gate_logits.to(_prob_dtype(gate_logits))
+    log_stay = F.logsigmoid(-g)                                     # log(1-λ)
+    before = torch.cumsum(log_stay, -1) - log_stay                  # Σ_{r<d} log(1-λ_r)
+    out = F.logsigmoid(g) + before
+    return torch.cat([out[..., :-1], before[..., -1:]], dim=-1)
+
+
 def exit_cdf(gate_logits):
     """CDF(d) = Σ_{r<=d} π(r) = 1 - Π_{r<=d}(1-λ_r); the last depth is forced to 1."""
     lam = torch.sigmoid(gate_logits.to(_prob_dtype(gate_logits)))
@@ -367,22 +376,43 @@ FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (e
 
 class TerminalKV:
     """Attention hook of the dense-shaped ragged forward: per layer, the K/V of tokens that
-    stopped (`frozen`) are replaced by their terminal K/V, the last depth they ran (Eq. 7)."""
+    stopped (`frozen`) are replaced by their terminal K/V, the last depth they ran (Eq. 7).
+    With `history` a list, the K/V read at every (depth, layer) are appended to it."""
 
-    def __init__(self, n_layer):
+    def __init__(self, n_layer, history=None):
         self.k, self.v = [None] * n_layer, [None] * n_layer
         self.frozen = None  # (B, T) bool
+        self.history = history
 
     def layer_kv(self, layer, k, v):
         if self.k[layer] is not None:
             keep = self.frozen[:, None, :, None]
             k, v = torch.where(keep, self.k[layer], k), torch.where(keep, self.v[layer], v)
         self.k[layer], self.v[layer] = k, v
+        if self.history is not None:
+            self.history.append((k, v))
         T = k.shape[2]
         return k, v, torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
 
 
-def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None, n_run=None):
+class PrivateKV:
+    """Private-diagonal attention of counterfactual training (Eq. 17): over 2S columns
+    [committed | candidate], query i reads the committed K/V of tokens j < i (read at
+    min(d, ê_j), detached) and only its own candidate K/V at this depth."""
+
+    def __init__(self, committed, depth, n_layer):
+        self.committed, self.base = committed, depth * n_layer
+
+    def layer_kv(self, layer, k, v):
+        ck, cv = self.committed[self.base + layer]
+        T = k.shape[2]
+        eye = torch.eye(T, dtype=torch.bool, device=k.device)
+        mask = torch.cat([torch.ones_like(eye).tril(-1), eye], dim=1)  # (S, 2S)
+        return torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2), mask
+
+
+def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None, n_run=None,
+                   history=None):
     """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but once a
     token stops, its hidden state is frozen and, in every layer, later tokens read its terminal
     K/V instead of fresh ones. The oracle of the paged path, and the training path.
@@ -391,7 +421,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     (`uniforms` B x T x U: exit at d when u_d < λ_d), or by threshold (`taus`, a number or B x T).
     `full` (B x T bool): keep running to the last depth after the exit is decided (dense prefill).
     Returns exits, gate_logits, the normed exit states, logits at the exit and, with targets,
-    the mean cross-entropy at the exit depth (one logits computation)."""
+    the cross-entropy at the exit depth per token and its mean (one logits computation)."""
     B, T = idx.shape
     U = n_run or model.config.n_loops
     h = model.embed_tokens(idx)
@@ -404,7 +434,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     decided = torch.zeros(B, T, dtype=torch.long, device=idx.device)
     stopped = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
     states = torch.zeros_like(h)
-    gates, kv = [], TerminalKV(model.config.n_layer)
+    gates, kv = [], TerminalKV(model.config.n_layer, history)
     for d in range(U):
         kv.frozen = stopped
         hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
@@ -425,8 +455,34 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     out["logits"] = logits
     if targets is not None:
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        out["loss"] = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        tok = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                              reduction="none").view(targets.shape)
+        valid = targets != -1
+        out["token_loss"] = tok                                  # ℓ_{i,e_i}, 0 where no target
+        out["loss"] = tok.sum() / valid.sum().clamp(min=1)       # Eq. 15
     return out
+
+
+def forward_counterfactual(model, idx, targets, tau=0.5):
+    """Counterfactual training forward (App. C, Eq. 17-18). A detached threshold rollout commits
+    one exit ê per token and the K/V history it leaves; then every token is privately continued to
+    every depth, attending to the committed states of earlier tokens and only its own candidate
+    (PrivateKV). Returns the candidate losses ℓ^CF_{i,d} (B, T, U), their gate logits and ê."""
+    history = []
+    with torch.no_grad():
+        rollout = forward_ragged(model, idx, taus=tau, history=history)
+    B, T = idx.shape
+    h = model.embed_tokens(idx)
+    cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
+    gates, losses = [], []
+    for d in range(model.config.n_loops):
+        h = model.block(h, cos, sin, PrivateKV(history, d, model.config.n_layer))
+        hn, gate, h = model.exit_heads(h)
+        gates.append(gate)
+        losses.append(checkpoint(model._depth_loss, hn, targets, use_reentrant=False)
+                      if torch.is_grad_enabled() else model._depth_loss(hn, targets))
+    return {"losses": torch.stack(losses, -1), "gate_logits": torch.stack(gates, -1),
+            "exits": rollout["exits"]}
 
 
 @torch.no_grad()

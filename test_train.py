@@ -248,3 +248,15 @@ def test_cli_errors_are_one_line_exit_2_and_nothing_lost(tmp_path, trained):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert r.stderr.startswith("error: ")
     assert bad.read_bytes() == b"not a checkpoint" and open(ckpt, "rb").read() == before
+
+
+def test_config_files_parse():
+    cfg_dir = os.path.join(HERE, "config")
+    files = sorted(f for f in os.listdir(cfg_dir) if f.endswith(".py"))
+    assert "ouro160m_fineweb.py" in files and "shakespeare_char.py" in files
+    for f in files:
+        c = configurator.parse([os.path.join(cfg_dir, f)], train.DEFAULTS, train.CHOICES)
+        assert c["n_loops"] == 4
+    c = configurator.parse([os.path.join(cfg_dir, "ouro160m_fineweb.py")], train.DEFAULTS, train.CHOICES)
+    assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 524_288   # App. B
+    assert (c["n_layer"], c["n_embd"], c["ffn_hidden"], c["n_head"]) == (12, 768, 2048, 12)

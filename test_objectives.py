@@ -1,0 +1,220 @@
+"""Ragged-aware objectives (App. C) against brute force, eval metrics, and data-parallel training."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import prepare_data
+import train
+from model import exit_log_pdf, forward_counterfactual, forward_ragged
+from test_model import random_model
+from test_train import TINY, read_log
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def brute_ragged_states(model, ids, exits):
+    """Eq. 7 by brute force, one token at a time: token i runs depths 1..e_i; at depth d each layer
+    reads token j < i at depth min(d, e_j), from a plain dict of every K/V ever computed."""
+    L = model.config.n_layer
+    kv_store, states = {}, []
+    for i, tok in enumerate(ids):
+        h = model.embed_tokens(torch.tensor([[tok]]))
+        cos, sin = model.rope(torch.tensor([i]), h.dtype)
+        for d in range(exits[i]):
+            for l in range(L):
+                def hook(k, v, i=i, l=l, d=d):
+                    kv_store[(i, l, d)] = (k, v)
+                    ks = [kv_store[(j, l, min(d, exits[j] - 1))][0] for j in range(i)] + [k]
+                    vs = [kv_store[(j, l, min(d, exits[j] - 1))][1] for j in range(i)] + [v]
+                    return torch.cat(ks, 2), torch.cat(vs, 2), torch.ones(1, i + 1, dtype=torch.bool)
+                h = model.layers[l](h, cos, sin, hook)
+            hn, _, h = model.exit_heads(h)
+        states.append(hn[0, 0])
+    return torch.stack(states)
+
+
+def test_ragged_step_loss_and_gradients_equal_brute_force():
+    model = random_model(int(torch.randint(0, 1000, ()))).train()
+    T = 10
+    ids = torch.randperm(37)[:T]                       # distinct tokens: embedding rows are per position
+    y = torch.randint(0, 37, (1, T))
+    u = torch.rand(1, T, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = forward_ragged(model, ids[None], y, uniforms=u)
+    exits = out["exits"][0].tolist()
+    # the same exits given explicitly give the same loss
+    assert torch.allclose(forward_ragged(model, ids[None], y, exits=out["exits"])["loss"], out["loss"])
+    model.zero_grad()
+    out["loss"].backward()
+    g_fast = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    states = brute_ragged_states(model, ids.tolist(), exits)
+    brute = F.cross_entropy(model.lm_head(states), y[0])
+    brute.backward()
+    assert abs(out["loss"].item() - brute.item()) < 1e-10
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(g_fast[n], p.grad, atol=1e-9), n
+    # the gate gets no gradient from a ragged step
+    assert "early_exit_gate.weight" not in g_fast and "early_exit_gate.bias" not in g_fast
+    assert len(set(exits)) >= 2
+
+
+def test_gradient_reaches_earlier_depths_through_aliased_kv():
+    model = random_model(7).train()
+    T = 8
+    ids = torch.randperm(37)[:T][None]
+    y = torch.full((1, T), -1)
+    y[0, -1] = 3                                        # a loss on the last token only
+    exits = torch.tensor([[1, 4, 4, 4, 4, 4, 4, 4]])    # token 0 stops at depth 1
+    out = forward_ragged(model, ids, y, exits=exits)
+    out["loss"].backward()
+    # token 0 reaches the last token only through its depth-1 K/V, aliased into depths 2..4
+    assert model.embed_tokens.weight.grad[ids[0, 0]].abs().sum() > 0
+
+
+def test_counterfactual_equals_each_token_continued_alone():
+    torch.set_grad_enabled(False)
+    try:
+        _check_counterfactual(random_model(int(torch.randint(0, 1000, ()))))
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _check_counterfactual(model):
+    T, U, L = 9, 4, model.config.n_layer
+    ids = torch.randint(0, 37, (1, T))
+    y = torch.randint(0, 37, (1, T))
+    out = forward_counterfactual(model, ids, y, tau=0.5)
+    history = []
+    roll = forward_ragged(model, ids, taus=0.5, history=history)
+    assert torch.equal(roll["exits"], out["exits"])
+    for i in range(T):  # token i alone: committed K/V of j < i at depth d, plus its own candidate
+        h = model.embed_tokens(ids[:, i:i + 1])
+        cos, sin = model.rope(torch.tensor([i]), h.dtype)
+        for d in range(U):
+            for l in range(L):
+                ck, cv = history[d * L + l]
+                h = model.layers[l](h, cos, sin, lambda k, v: (
+                    torch.cat([ck[:, :, :i], k], 2), torch.cat([cv[:, :, :i], v], 2),
+                    torch.ones(1, i + 1, dtype=torch.bool)))
+            hn, gate, h = model.exit_heads(h)
+            ce = F.cross_entropy(model.lm_head(hn[0]), y[0, i:i + 1])
+            assert abs(float(ce) - float(out["losses"][0, i, d])) < 1e-10
+            assert abs(float(gate[0, 0]) - float(out["gate_logits"][0, i, d])) < 1e-10
+
+
+def test_reinforce_returns_and_advantages_hand_worked():
+    tok = torch.tensor([[[1.0, 2.0, 3.0]]])
+    mask = torch.ones(1, 3)
+    G = train.suffix_returns(tok, mask)
+    assert G.tolist() == [[[6.0, 5.0, 3.0]]]
+    assert train.suffix_returns(tok, torch.tensor([[1.0, 0.0, 1.0]])).tolist() == [[[4.0, 3.0, 3.0]]]
+    A = train.reinforce_advantages(G, torch.tensor([[0.5, 0.5, 0.5]]), mask)   # K=1: dense final path
+    assert A.tolist() == [[[4.5, 4.0, 2.5]]]
+    G4 = torch.tensor([[[4.0]], [[8.0]], [[0.0]], [[4.0]]], dtype=torch.float64)                    # K=4: leave one out
+    assert torch.allclose(train.reinforce_advantages(G4, None, None).flatten(),
+                          torch.tensor([0.0, 16 / 3, -16 / 3, 0.0], dtype=torch.float64))
+
+
+def test_reinforce_score_term_sign():
+    """A trajectory with a higher loss than its baseline is made less likely by a descent step."""
+    g = torch.zeros(1, 1, 4, requires_grad=True)
+    rho = exit_log_pdf(g)[..., 1]                           # the sampled exit was depth 2
+    (rho * torch.tensor(3.0)).sum().backward()              # positive advantage
+    lam_grad = g.grad[0, 0, 1]
+    assert lam_grad > 0  # descent lowers gate logit 2, so exiting at 2 becomes less likely
+
+
+def test_spearman_and_jump_rates():
+    assert abs(train.spearman([1, 2, 3, 4], [10, 20, 30, 40]) - 1) < 1e-12
+    assert abs(train.spearman([1, 2, 3, 4], [4, 3, 2, 1]) + 1) < 1e-12
+    a, b = [1, 1, 2, 3], [1, 2, 2, 3]   # ties take average ranks: [1.5,1.5,3,4] vs [1,2.5,2.5,4]
+    ra, rb = np.array([1.5, 1.5, 3, 4]), np.array([1, 2.5, 2.5, 4])
+    assert abs(train.spearman(a, b) - np.corrcoef(ra, rb)[0, 1]) < 1e-12
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=str(d), size=30000))
+    return str(d)
+
+
+@pytest.mark.parametrize("method,extra", [("direct", []), ("counterfactual", []), ("reinforce", ["--reinforce_k=1"]),
+                                          ("reinforce", ["--reinforce_k=4"])])
+def test_each_objective_trains(tmp_path, data_dir, method, extra):
+    out = str(tmp_path / "o")
+    train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=24", "--eval_interval=24",
+                       "--ragged_aware", f"--ra_method={method}", "--global_kl", "--learning_rate=1e-2",
+                       "--batch_size=8", "--eval_thr=0.3,0.5"] + extra)
+    log = read_log(out)
+    steps = [r for r in log if "train_loss" in r]
+    kinds = {r["step"] for r in steps}
+    assert kinds == ({"dense", "ragged"} if method == "direct" else
+                     {"dense", "counterfactual"} if method == "counterfactual" else {"reinforce"})
+    for kind in kinds:
+        losses = [r["train_loss"] for r in steps if r["step"] == kind]
+        assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.1, (kind, losses)
+    ev = log[-1]
+    for key in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth", "exit_fractions",
+                "jump_rates", "large_jump_rate", "kl_global", "depth_by_difficulty", "difficulty_spearman"):
+        assert key in ev
+    assert set(ev["val_loss_ragged"]) == {"0.3", "0.5"} and len(ev["jump_rates"]) == 4
+    assert abs(sum(ev["jump_rates"]) - 1) < 1e-3 and abs(sum(ev["exit_fractions"]) - 1) < 1e-3
+
+
+def test_eval_metrics_against_brute_force(tmp_path, data_dir):
+    out = str(tmp_path / "o")
+    c = dict(train.DEFAULTS)
+    c.update(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, ffn_hidden=24, block_size=16, batch_size=4,
+             eval_iters=2, data_dir=data_dir, eval_thr="0.5")
+    from types import SimpleNamespace
+    c = SimpleNamespace(**c)
+    model = random_model(3, vocab_size=44, block_size=16).float()
+    val = train.load_split(c, "val")
+    labels = np.memmap(os.path.join(data_dir, "synthetic", "val_labels.bin"), dtype=np.uint8, mode="r")
+    prior = train.exit_prior("uniform", 4)
+    m = train.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
+    g = torch.Generator().manual_seed(c.seed + 1)
+    exits, labs = [], []
+    for _ in range(2):
+        starts = train.draw_starts(val, c, 4, g)
+        x, _ = train.get_batch(val, c, starts, "cpu")
+        e = forward_ragged(model, x, taus=0.5)["exits"]
+        for row, s in zip(e.tolist(), starts):
+            exits.append(row)
+            labs.append([int(labels[s + 1 + i]) for i in range(16)])   # label of token i+1
+    flat = [v for row in exits for v in row]
+    jumps = [abs(r[i] - r[i - 1]) for r in exits for i in range(1, 16)]
+    assert abs(m["avg_exit_depth"] - np.mean(flat)) < 1e-4
+    assert all(abs(m["jump_rates"][k] - np.mean([j == k for j in jumps])) < 1e-4 for k in range(4))
+    fl = [l for row in labs for l in row]
+    for k in range(5):
+        sel = [e for e, l in zip(flat, fl) if l == k]
+        assert m["depth_by_difficulty"][str(k)] is None if not sel else abs(m["depth_by_difficulty"][str(k)] - np.mean(sel)) < 1e-4
+
+
+def test_torchrun_two_processes_match_one(tmp_path, data_dir):
+    common = TINY + [f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
+                     "--ragged_aware", "--global_kl"]
+    one = str(tmp_path / "one")
+    train.main(common + [f"--out_dir={one}"])
+    two = str(tmp_path / "two")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(HERE, "train.py")] + common + [f"--out_dir={two}"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = [x["train_loss"] for x in read_log(one) if "train_loss" in x]
+    b = [x["train_loss"] for x in read_log(two) if "train_loss" in x]
+    assert len(a) == len(b) == 4
+    assert np.allclose(a, b, rtol=1e-4, atol=1e-5), (a, b)
+    va = read_log(one)[-1]["val_loss_fixed"]
+    vb = read_log(two)[-1]["val_loss_fixed"]
+    assert np.allclose(va, vb, rtol=1e-4, atol=1e-4)
