@@ -6,6 +6,7 @@ Read top to bottom: config, the layer, the looped model and its dense forward, e
 generation (the naive oracle and the cached Ouro-mode decode), and the checkpoint loader.
 Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
 """
+import json
 import math
 import os
 from dataclasses import dataclass, asdict, fields
@@ -554,10 +555,11 @@ PAGED_MODES = {
 
 @torch.no_grad()
 def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, depth=None, sampler=None,
-                   prefill_thr=None, prefill_schedule="", prefix_full=0, pool=None):
+                   prefill_thr=None, prefill_schedule="", prefix_full=0, pool=None, stop=()):
     """Generate through the paged Ragged-KV cache. Modes: see PAGED_MODES and sample.py.
-    Returns a dict: tokens, exits (depth that produced each new token), prompt_exits,
-    decode_exits (by position), kv (physical / logical / dense rows, peak pages, block_evals)."""
+    Generation ends after max_new_tokens or a token in `stop`. Returns a dict: tokens, exits (depth
+    that produced each new token), prompt_exits, decode_exits (by position), kv (physical / logical
+    / dense rows, peak pages, block_evals)."""
     from ragged import PagePool, RaggedSeq
     cfg = model.config
     U = cfg.n_loops
@@ -589,6 +591,8 @@ def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, dep
         new = [sampler(model.lm_head(states[-1]))]
         dec_tau = FULL if mode == "fixed" else thr
         for _ in range(max_new_tokens - 1):
+            if new[-1] in stop:
+                break
             e, st = run_chunk(model, seq, torch.tensor(new[-1:], device=device), dec_tau,
                               rule["decode_full"], n_run)
             _keep(seq, torch.tensor([seq.n - 1]), e, rule["keep_decode"], U)
@@ -638,7 +642,11 @@ def resolve_ckpt_path(path):
 
 
 def load_checkpoint(path, device="cpu", dtype=None):
-    """The one loader used by train, sample and serve. Returns (model, checkpoint dict)."""
+    """The one loader used by train, sample and serve: our ckpt.pt (file or directory) or an Ouro
+    Hugging Face folder (config.json + safetensors), detected automatically.
+    Returns (model, checkpoint dict)."""
+    if is_ouro_folder(path):
+        return load_ouro(path, device, dtype)
     path = resolve_ckpt_path(path)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
@@ -660,3 +668,126 @@ def load_checkpoint(path, device="cpu", dtype=None):
 
 def model_args(cfg):
     return asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- Ouro checkpoints (Hugging Face format)
+
+# config.json field -> GPTConfig field (DESIGN.md "The model")
+OURO_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+               "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+               "intermediate_size": "ffn_hidden", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
+               "total_ut_steps": "n_loops", "max_position_embeddings": "block_size"}
+
+
+def is_ouro_folder(path):
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")))
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("Ouro checkpoints are safetensors files: install the optional package with "
+                        "`pip install safetensors`")
+    return safetensors.torch
+
+
+def ouro_key(key):
+    """Our parameter name -> Ouro's: everything but the LM head lives under `model.`."""
+    return key if key.startswith("lm_head.") else "model." + key
+
+
+def ouro_config(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{folder}/config.json is not valid JSON ({e})")
+    if hf.get("model_type", "ouro") != "ouro":
+        raise UserError(f"{folder}: model_type {hf.get('model_type')!r} is not 'ouro'")
+    missing = [k for k in OURO_FIELDS if k not in hf and k not in ("num_key_value_heads", "max_position_embeddings")]
+    if missing:
+        raise UserError(f"{folder}/config.json lacks {', '.join(missing)}")
+    args = {ours: hf[theirs] for theirs, ours in OURO_FIELDS.items() if theirs in hf}
+    args.setdefault("n_kv_head", args["n_head"])
+    args.setdefault("block_size", 4096)
+    # Ouro normalizes the hidden state after every loop; the in-branch gains come from the weights
+    cfg = GPTConfig(**args, loop_norm=True, branch_norm_init=1.0)
+    if "head_dim" in hf and hf["head_dim"] != cfg.head_dim:
+        raise UserError(f"{folder}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
+    return cfg, hf
+
+
+def read_ouro_tensors(folder):
+    st = _safetensors()
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(st.load_file(os.path.join(folder, name)))
+        except Exception as e:
+            raise UserError(f"cannot read {folder}/{name}: {type(e).__name__}: {str(e)[:160]}")
+    return tensors
+
+
+def load_ouro(folder, device="cpu", dtype=None):
+    """Load an Ouro folder strictly: every key consumed, every parameter filled, shapes checked.
+    The stored dtype (bf16) is kept unless `dtype` is given."""
+    cfg, hf = ouro_config(folder)
+    tensors = read_ouro_tensors(folder)
+    with torch.device("meta"):
+        model = LoopedLM(cfg)
+    want = {ouro_key(k): v.shape for k, v in model.state_dict().items()}
+    if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise UserError(f"{folder}: checkpoint keys do not match an Ouro model of this config: "
+                        f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                        f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != tuple(shape):
+            raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
+    state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model.eval()
+    meta = {}
+    if os.path.isfile(os.path.join(folder, "meta.json")):          # exported from here: our tokenizer
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+    elif os.path.isfile(os.path.join(folder, "tokenizer.json")):   # Ouro's own (SmolLM2-style)
+        meta = {"tokenizer": "hf", "path": os.path.join(folder, "tokenizer.json"), "vocab_size": cfg.vocab_size}
+    return model, {"model_args": asdict(cfg), "meta": meta, "ouro_config": hf}
+
+
+def export_ouro(model, folder, meta=None, dtype=torch.bfloat16):
+    """Write an Ouro-format folder: config.json (model_type "ouro") + model.safetensors with Ouro's
+    key names. Refuses a model that Ouro's code would run differently."""
+    cfg = model.config
+    if not cfg.loop_norm:
+        raise UserError("this model was trained without the per-loop norm (loop_norm=False); Ouro's code "
+                        "normalizes the hidden state after every loop and would compute something else. "
+                        "Only models trained with --loop_norm can be exported")
+    st = _safetensors()
+    os.makedirs(folder, exist_ok=True)
+    hf = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "hidden_act": "silu",
+          "head_dim": cfg.head_dim, "tie_word_embeddings": False, "early_exit_threshold": 1.0,
+          "torch_dtype": str(dtype).replace("torch.", ""), "use_cache": True, "attention_dropout": 0.0}
+    hf.update({theirs: getattr(cfg, ours) for theirs, ours in OURO_FIELDS.items()})
+    tensors = {ouro_key(k): v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    tmp = os.path.join(folder, "model.safetensors.tmp")
+    st.save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+    for name, obj in (("config.json", hf), ("meta.json", meta)):
+        if obj:
+            with open(os.path.join(folder, name + ".tmp"), "w") as f:
+                json.dump(obj, f, indent=2)
+            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    return folder

@@ -79,10 +79,18 @@ def load_tokenizer(meta, tiktoken_file=""):
                                 f"({chars!r})")
             return [stoi[c] for c in s]
         return encode, lambda ids: "".join(chars[i] for i in ids)
+    if meta.get("tokenizer") == "hf":  # an Ouro folder's tokenizer.json (SmolLM2-style)
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
+                            "(pip install tokenizers); --prompt_ids works without it")
+        tok = Tokenizer.from_file(meta["path"])
+        return (lambda s: tok.encode(s, add_special_tokens=False).ids), (lambda ids: tok.decode(ids, skip_special_tokens=False))
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2")
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2, hf")
 
 
 # ----------------------------------------------------------------------------- synthetic

@@ -4,6 +4,7 @@ Generate from a trained looped LM (or, later, an Ouro checkpoint) and show how d
     python sample.py --ckpt out/ --thr 0.5                  # Ouro mode: all U loops, exit picks the logits
     python sample.py --ckpt out/ --mode=fixed --depth=2     # every token runs exactly 2 loops
     python sample.py --ckpt out/ --prompt "a=5 b=a ; b? " --temperature=0 --json
+    python sample.py --ckpt path/to/Ouro-1.4B-Thinking --thr 0.5 --chat --prompt "What is 7*8?"
 
 Modes
   fixed         every token runs --depth loops (default U); one KV lane per loop actually run.
@@ -27,6 +28,12 @@ import torch
 from configurator import parse, run_cli
 from model import UserError, exit_stats, generate_paged, load_checkpoint, sample_token
 from prepare_data import load_tokenizer
+from ragged import PagePool, PoolExhausted
+
+
+def _has(module):
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
 
 DEFAULTS = dict(
     ckpt="out",            # a directory holding ckpt.pt, or the file
@@ -44,6 +51,8 @@ DEFAULTS = dict(
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
+    chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
+    kv_pages=0,            # size of the KV page pool (0: enough for every token at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
     device="cpu",
@@ -80,6 +89,15 @@ def check_args(c, U):
         if not ok:
             raise UserError(f"--{key}={c[key]!r} must be {allowed}")
     return mode, (0.5 if thr is None else float(thr)), depth
+
+
+IM_START, IM_END = 1, 2  # Ouro's ChatML ids (the shipped configs say bos/eos/pad 0)
+
+
+def chat_ids(ids, encode):
+    """<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n, built from ids so that it
+    works whatever the tokenizer does with special-token strings."""
+    return [IM_START] + encode("user\n") + ids + [IM_END] + encode("\n") + [IM_START] + encode("assistant\n")
 
 
 def prompt_ids(c, meta, encode):
@@ -145,11 +163,19 @@ def main(argv):
     model, ckpt = load_checkpoint(c["ckpt"], c["device"], dtypes[c["dtype"]])
     U = model.config.n_loops
     mode, thr, depth = check_args(c, U)
-    meta = ckpt.get("meta", {})
-    encode, decode = load_tokenizer(meta, c["tiktoken_file"]) if meta else (None, None)
+    meta = ckpt.get("meta") or {}
+    encode = decode = None
+    if meta and (c["prompt_ids"] == "" or meta.get("tokenizer") != "hf" or _has("tokenizers")):
+        encode, decode = load_tokenizer(meta, c["tiktoken_file"])
     if encode is None and c["prompt_ids"] == "":
-        raise UserError("this checkpoint has no tokenizer: give --prompt_ids")
+        raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated token ids)")
     ids = prompt_ids(c, meta, encode)
+    if c["chat"]:
+        if encode is None:
+            raise UserError("--chat needs the model's tokenizer (pip install tokenizers)")
+        ids = chat_ids(ids, encode)
+    if c["kv_pages"] < 0:
+        raise UserError(f"--kv_pages={c['kv_pages']} must be >= 0 (0 = worst case)")
     room = model.config.block_size - len(ids)
     if 0 < room < c["max_new_tokens"]:
         print(f"note: max_new_tokens={c['max_new_tokens']} cut to {room} to fit the context "
@@ -164,8 +190,12 @@ def main(argv):
 
     samples = []
     for s in range(c["num_samples"]):
-        r = generate_paged(model, ids, c["max_new_tokens"], mode, thr, depth, sampler,
-                           c["prefill_thr"], c["prefill_schedule"], c["prefix_full"])
+        pool = PagePool.for_model(model, c["kv_pages"]) if c["kv_pages"] else None
+        try:
+            r = generate_paged(model, ids, c["max_new_tokens"], mode, thr, depth, sampler, c["prefill_thr"],
+                               c["prefill_schedule"], c["prefix_full"], pool, stop={IM_END} if c["chat"] else ())
+        except PoolExhausted as e:
+            raise UserError(f"--kv_pages={c['kv_pages']} is too small for this request in mode {mode}: {e}")
         rec = summarize(r, U)
         rec["text"] = decode(r["tokens"]) if decode else None
         samples.append(rec)

@@ -1,0 +1,32 @@
+"""
+Export one of our checkpoints as an Ouro Hugging Face folder (config.json + model.safetensors with
+Ouro's key names, model_type "ouro"), so tools that already run Ouro at fixed depth can load it.
+
+    python export_ouro.py --ckpt out/ --out out-ouro/ [--dtype=bfloat16]
+
+Only models trained with --loop_norm (Ouro's per-loop norm) can be exported: Ouro's code would run
+any other model differently. Our tokenizer is written beside it as meta.json (read back by our
+loader); it is not a Hugging Face tokenizer.json. Needs the optional `safetensors` package.
+"""
+import sys
+
+import torch
+
+from configurator import parse, run_cli
+from model import UserError, export_ouro, load_checkpoint
+
+DEFAULTS = dict(ckpt="out", out="", dtype="bfloat16")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def main(argv):
+    c = parse(argv, DEFAULTS, dict(dtype=list(DTYPES)))
+    if not c["out"]:
+        raise UserError("--out=FOLDER is required (where the Ouro folder is written)")
+    model, ckpt = load_checkpoint(c["ckpt"])
+    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]])
+    print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {c['dtype']})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,215 @@
+"""Ouro Hugging Face folders: strict import checked against an independent plain-torch Ouro forward
+(written here from the facts in DESIGN.md, float64), the ragged modes on a loaded model, export and
+the round trip, and clear errors. Tiny random folders are built in the test: no download."""
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+import sample
+from model import (GPTConfig, LoopedLM, UserError, export_ouro, forward_ragged, generate_paged,
+                   load_checkpoint)
+
+CFG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+           intermediate_size=48, rope_theta=1e6, rms_norm_eps=1e-6, total_ut_steps=4,
+           max_position_embeddings=128, tie_word_embeddings=False, model_type="ouro",
+           architectures=["OuroForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
+NORMS = ["input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"]
+
+
+def ouro_tensors(cfg, seed, dtype=torch.float32):
+    """Random weights under Ouro's exact key names."""
+    g = torch.Generator().manual_seed(seed)
+    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = H // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    r = lambda *s, scale=0.2: (torch.randn(*s, generator=g) * scale).to(dtype)
+    t = {"model.embed_tokens.weight": r(V, H, scale=1.0), "model.norm.weight": 1 + r(H),
+         "model.early_exit_gate.weight": r(1, H, scale=0.3), "model.early_exit_gate.bias": r(1, scale=1.0),
+         "lm_head.weight": r(V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": r(H, H), p + "self_attn.k_proj.weight": r(kv, H),
+                  p + "self_attn.v_proj.weight": r(kv, H), p + "self_attn.o_proj.weight": r(H, H),
+                  p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
+                  p + "mlp.down_proj.weight": r(H, F)})
+        t.update({p + n + ".weight": 1 + r(H) for n in NORMS})
+    return t
+
+
+def write_folder(path, cfg, tensors, shards=1):
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return path
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[s::shards]}
+        save_file(part, os.path.join(path, name))
+        weight_map.update({k: name for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def reference_ouro(t, cfg, ids):
+    """Ouro's forward from DESIGN.md, plain torch, float64: four RMSNorms per layer (sandwich),
+    SwiGLU, NeoX RoPE, per-loop final norm feeding the next loop and the heads, gate with bias.
+    Returns logits and gate logits per loop."""
+    t = {k: v.double() for k, v in t.items()}
+    H, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps = H // nh, cfg["rms_norm_eps"]
+    T = len(ids)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+    def rope(x):  # x: (heads, T, hd)
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    h = t["model.embed_tokens.weight"][ids]
+    logits, gates = [], []
+    causal = torch.ones(T, T).tril().bool()
+    for _ in range(cfg["total_ut_steps"]):
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            x = rms(h, t[p + "input_layernorm.weight"])
+            q = rope((x @ t[p + "self_attn.q_proj.weight"].T).view(T, nh, hd).transpose(0, 1))
+            k = rope((x @ t[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd).transpose(0, 1))
+            v = (x @ t[p + "self_attn.v_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)
+            k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+            att = (q @ k.transpose(1, 2)) / math.sqrt(hd)
+            att = att.masked_fill(~causal, float("-inf")).softmax(-1)
+            o = (att @ v).transpose(0, 1).reshape(T, H) @ t[p + "self_attn.o_proj.weight"].T
+            h = h + rms(o, t[p + "input_layernorm_2.weight"])
+            x = rms(h, t[p + "post_attention_layernorm.weight"])
+            m = (torch.nn.functional.silu(x @ t[p + "mlp.gate_proj.weight"].T) * (x @ t[p + "mlp.up_proj.weight"].T))
+            h = h + rms(m @ t[p + "mlp.down_proj.weight"].T, t[p + "post_attention_layernorm_2.weight"])
+        h = rms(h, t["model.norm.weight"])                  # per-loop norm: feeds the heads and the next loop
+        logits.append(h @ t["lm_head.weight"].T)
+        gates.append((h @ t["model.early_exit_gate.weight"].T + t["model.early_exit_gate.bias"])[:, 0])
+    return logits, gates
+
+
+@pytest.mark.parametrize("shards,kv_heads", [(1, 4), (3, 2)])
+def test_loaded_ouro_matches_independent_reference(tmp_path, shards, kv_heads):
+    cfg = dict(CFG, num_key_value_heads=kv_heads)
+    t = ouro_tensors(cfg, seed=int(torch.randint(0, 10_000, ())))
+    assert len(t) == 11 * cfg["num_hidden_layers"] + 5   # 269 for Ouro-1.4B's 24 layers
+    folder = write_folder(str(tmp_path / "ouro"), cfg, t, shards)
+    model, ckpt = load_checkpoint(folder, dtype=torch.float64)
+    assert model.config.loop_norm and model.config.n_kv_head == kv_heads
+    ids = torch.randint(0, 50, (20,))
+    ref_logits, ref_gates = reference_ouro(t, cfg, ids)
+    out = model(ids[None], keep_logits=True)
+    for d in range(4):
+        assert torch.allclose(out["logits"][d][0], ref_logits[d], atol=1e-9, rtol=0)
+        assert torch.allclose(out["gate_logits"][0, :, d], ref_gates[d], atol=1e-9, rtol=0)
+
+
+def test_bf16_is_kept_and_ragged_modes_run(tmp_path):
+    t = ouro_tensors(CFG, seed=3, dtype=torch.bfloat16)
+    folder = write_folder(str(tmp_path / "ouro"), CFG, t)
+    model, _ = load_checkpoint(folder)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model64, _ = load_checkpoint(folder, dtype=torch.float64)
+    ids = torch.randint(0, 50, (14,)).tolist()
+    for mode in ("dense_ragged", "ete_ragged"):
+        r = generate_paged(model64, ids, 12, mode, 0.5)
+        s_e = sum(r["prompt_exits"]) + sum(r["decode_exits"])
+        assert r["kv"]["physical"] == r["kv"]["block_evals"] == s_e
+        full = ids + r["tokens"][:-1]
+        taus = torch.full((1, len(full)), 0.5, dtype=torch.float64)
+        if mode == "dense_ragged":
+            taus[0, :len(ids)] = float("inf")
+        o = forward_ragged(model64, torch.tensor([full]), taus=taus)
+        assert o["exits"][0].tolist() == r["prompt_exits"] + r["decode_exits"]
+    r = generate_paged(model, ids, 6, "ete_ragged", 0.5)   # and in bf16 as stored
+    assert len(r["tokens"]) == 6
+
+
+def test_strict_loading_errors(tmp_path, monkeypatch):
+    t = ouro_tensors(CFG, seed=1)
+    cases = {
+        "missing": {k: v for k, v in t.items() if k != "model.layers.1.mlp.up_proj.weight"},
+        "extra": dict(t, **{"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}),
+        "shape": dict(t, **{"model.norm.weight": torch.ones(31)}),
+    }
+    for name, tensors in cases.items():
+        folder = write_folder(str(tmp_path / name), CFG, tensors)
+        with pytest.raises(UserError, match={"missing": "missing", "extra": "unexpected", "shape": "shape"}[name]):
+            load_checkpoint(folder)
+    bad_cfg = {k: v for k, v in CFG.items() if k != "hidden_size"}
+    folder = write_folder(str(tmp_path / "cfg"), bad_cfg, t)
+    with pytest.raises(UserError, match="hidden_size"):
+        load_checkpoint(folder)
+    folder = write_folder(str(tmp_path / "ok"), CFG, t)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(UserError, match="pip install safetensors"):
+        load_checkpoint(folder)
+
+
+def test_export_import_round_trip_and_refusal(tmp_path):
+    torch.manual_seed(int(torch.randint(0, 10_000, ())))
+    model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                               ffn_hidden=40, loop_norm=True)).eval()
+    folder = export_ouro(model, str(tmp_path / "exp"), {"tokenizer": "char", "vocab_size": 40,
+                                                         "chars": "".join(chr(97 + i % 26) for i in range(40))},
+                         dtype=torch.float32)
+    hf = json.load(open(os.path.join(folder, "config.json")))
+    assert hf["model_type"] == "ouro" and hf["total_ut_steps"] == 4 and hf["num_key_value_heads"] == 2
+    back, ckpt = load_checkpoint(folder)
+    ids = torch.randint(0, 40, (1, 16))
+    a, b = model(ids, keep_logits=True), back(ids, keep_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(a["logits"], b["logits"]))
+    assert torch.equal(a["gate_logits"], b["gate_logits"]) and ckpt["meta"]["tokenizer"] == "char"
+    # the exported keys are exactly Ouro's
+    from safetensors.torch import load_file
+    keys = set(load_file(os.path.join(folder, "model.safetensors")))
+    assert keys == set(ouro_tensors(dict(CFG, num_hidden_layers=2), 0))
+    plain = LoopedLM(GPTConfig(vocab_size=40, n_layer=1, n_embd=32, ffn_hidden=40))   # loop_norm=False
+    with pytest.raises(UserError, match="per-loop norm"):
+        export_ouro(plain, str(tmp_path / "no"))
+    assert not os.path.exists(str(tmp_path / "no" / "model.safetensors"))
+
+
+def make_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "\n": 3, "user": 4, "assistant": 5}
+    for w in "the cat sat on a mat dog".split():
+        vocab[w] = len(vocab)
+    vocab["[UNK]"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split("\n", "isolated")])
+    tok.decoder = decoders.WordPiece()
+    tok.save(path)
+
+
+def test_sample_on_ouro_folder_with_tokenizer_chat_and_ids(tmp_path, monkeypatch, capsys):
+    folder = write_folder(str(tmp_path / "ouro"), CFG, ouro_tensors(CFG, seed=2))
+    make_tokenizer(os.path.join(folder, "tokenizer.json"))
+    res = sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt", "the cat sat", "--max_new_tokens=6",
+                       "--temperature=0", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prompt_tokens"] == [6, 7, 8] and out["mode"] == "dense_ragged" and len(res[0]["tokens"]) == 6
+    sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt", "the cat", "--chat", "--max_new_tokens=4", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["prompt_tokens"] == [1, 4, 3, 6, 7, 2, 3, 1, 5, 3]
+    monkeypatch.setattr(sample, "_has", lambda m: False)   # no `tokenizers`: ids still work
+    res = sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt_ids", "6,7,8", "--max_new_tokens=3",
+                       "--temperature=0", "--mode=ete_ragged"])
+    assert res[0]["text"] is None and len(res[0]["tokens"]) == 3
