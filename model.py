@@ -3,7 +3,9 @@ The looped language model (Ouro-style): one block of L layers applied U times, a
 after every loop, and the exit rules of the paper (Eq. 3, Eq. 4).
 
 Read top to bottom: config, the layer, the looped model and its dense forward, exit maths,
-generation (the naive oracle and the cached Ouro-mode decode), and the checkpoint loader.
+generation on Ouro's dense lanes (the recompute oracle and the cached Ouro-mode decode), Ragged KV
+(the dense-shaped forward of Eq. 7, the counterfactual forward, the compact paged path and its
+generation modes), our checkpoints, and Ouro Hugging Face folders (import and export).
 Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
 """
 import json
@@ -756,7 +758,9 @@ def load_ouro(folder, device="cpu", dtype=None):
             raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
     state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
     model.eval()
     meta = {}
     if os.path.isfile(os.path.join(folder, "meta.json")):          # exported from here: our tokenizer

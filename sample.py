@@ -16,7 +16,8 @@ Modes
                 Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
   last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
 With no --mode: `dense_ragged` when --thr is given (the paper's safe choice), else `fixed` at U.
-fixed and ouro run on Ouro's dense per-depth lanes; the others on the paged Ragged-KV pool.
+Every mode runs on the paged KV pool, so their page accounting is comparable (model.generate keeps
+Ouro's own dense-lane layout as the reference and the benchmark baseline).
 Sampling defaults follow the paper: temperature 1.0, top-p 0.7, top-k off.
 """
 import json
@@ -76,6 +77,9 @@ def check_args(c, U):
         raise UserError(f"--prefill_schedule={c['prefill_schedule']!r}; allowed: cosine (or leave it empty)")
     if c["prefix_full"] < 0:
         raise UserError(f"--prefix_full={c['prefix_full']!r} must be >= 0")
+    if (pthr is not None or c["prefill_schedule"] or c["prefix_full"]) and mode not in ("ete_ragged", "collapse_kv"):
+        raise UserError(f"--prefill_thr/--prefill_schedule/--prefix_full shape a ragged prefill; they apply to "
+                        f"--mode=ete_ragged (or collapse_kv), not {mode}")
     depth = c["depth"]
     if depth is None:
         depth = U

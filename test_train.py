@@ -221,6 +221,8 @@ def trained(tmp_path_factory, data_dir):
 @pytest.mark.parametrize("args", [
     ["--thr", "1.5"], ["--thr=-0.1"], ["--thr=abc"], ["--mode=warp"], ["--depth=9"], ["--bogus=1"],
     ["--top_p=0"], ["--prompt_ids=1,x"], ["--prompt=" + "a" * 40], ["--prompt=ABC"],
+    ["--thr=0.5", "--prefix_full=2"], ["--kv_pages=-1"], ["--mode=ouro", "--thr=0.5", "--kv_pages=3"],
+    ["--mode=ete_ragged", "--thr=0.5", "--prefill_schedule=linear"],
 ])
 def test_sample_bad_input_is_a_user_error(trained, args):
     with pytest.raises(UserError):
