@@ -337,7 +337,7 @@ def check_prompt(model, ids, max_new_tokens):
         raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None, naive=False):
     """Generate with one of the dense-cache modes of this file.
 
@@ -528,6 +528,29 @@ def run_chunk(model, seq, ids, taus, full=None, n_run=None):
     return exits, states
 
 
+@torch.no_grad()
+def decode_token(model, seq, token, tau, full=False, n_run=None):
+    """Fast path of run_chunk for one decode token: no gathers or scatters, and the exit decided
+    on one-element tensors with the same float operations (the tests hold the two equal)."""
+    from ragged import PagedView
+    U = n_run or model.config.n_loops
+    pos = seq.extend(1)
+    h = model.embed_tokens(torch.tensor([[token]], device=model.lm_head.weight.device))
+    cos, sin = model.rope(pos.to(h.device), h.dtype)
+    survive = torch.ones((), dtype=torch.promote_types(h.dtype, torch.float32))
+    exit_d, state = 0, None
+    for d in range(U):
+        pages = seq.alloc_depth(pos, d)
+        hn, gate, h = model.exit_heads(model.block(h, cos, sin, PagedView(seq, d, pos, pages)))
+        survive, now = exit_now(survive, gate[0, 0], tau)       # Eq. 4, online
+        if exit_d == 0 and (bool(now) or d == U - 1):
+            exit_d, state = d + 1, hn[0]
+        if (exit_d and not full) or d == U - 1:
+            seq.stop(pos, d)                                    # Eq. 11
+            break
+    return torch.tensor([exit_d]), state
+
+
 def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
     """Per-token thresholds for an ETE-Ragged prefill (App. E.2): a threshold of its own, a cosine
     schedule from 1 (full depth) at the first prompt token down to τ at the last, and the first k
@@ -555,7 +578,7 @@ PAGED_MODES = {
 }
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, depth=None, sampler=None,
                    prefill_thr=None, prefill_schedule="", prefix_full=0, pool=None, stop=()):
     """Generate through the paged Ragged-KV cache. Modes: see PAGED_MODES and sample.py.
@@ -595,8 +618,7 @@ def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, dep
         for _ in range(max_new_tokens - 1):
             if new[-1] in stop:
                 break
-            e, st = run_chunk(model, seq, torch.tensor(new[-1:], device=device), dec_tau,
-                              rule["decode_full"], n_run)
+            e, st = decode_token(model, seq, new[-1], dec_tau, rule["decode_full"], n_run)
             _keep(seq, torch.tensor([seq.n - 1]), e, rule["keep_decode"], U)
             decode_exits.append(int(e[0]))
             new.append(sampler(model.lm_head(st[-1])))

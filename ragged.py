@@ -123,8 +123,8 @@ class RaggedSeq:
         return pos
 
     def alloc_depth(self, pos, d):
-        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it)."""
-        assert not self.real[pos, d].any() and (d == 0 or self.real[pos, d - 1].all())
+        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it).
+        (check() verifies that no page is ever held twice or leaked.)"""
         pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
         self.table[pos, d] = pages
         self.real[pos, d] = True
@@ -148,7 +148,6 @@ class RaggedSeq:
     def write_pages(self, pos, d, pages):
         if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
             raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
-        self.pool.writes += len(pages)
 
     def release(self):
         """Return every page this sequence owns."""
@@ -178,6 +177,7 @@ class PagedView:
     j is read at depth min(d, e_j) (Eq. 7) with no copy."""
 
     def __init__(self, seq, d, pos, pages):
+        seq.write_pages(pos, d, pages)                          # writes never go through an alias
         self.seq, self.d, self.pos, self.pages = seq, d, pos, pages
         self.n_keys = int(pos.max()) + 1
         self.ids = seq.table[:self.n_keys, d]
@@ -185,7 +185,7 @@ class PagedView:
 
     def layer_kv(self, layer, k, v):
         pool = self.seq.pool
-        self.seq.write_pages(self.pos, self.d, self.pages)      # writes never go through an alias
+        pool.writes += len(self.pages)
         pool.k[layer, self.pages] = k[0].transpose(0, 1)
         pool.v[layer, self.pages] = v[0].transpose(0, 1)
         keys = pool.k[layer, self.ids].transpose(0, 1)[None]   # (1, Hkv, n_keys, D)

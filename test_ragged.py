@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from model import FULL, forward_ragged, generate, generate_paged, prompt_thresholds, run_chunk
+from model import FULL, decode_token, forward_ragged, generate, generate_paged, prompt_thresholds, run_chunk
 from ragged import PageError, PagePool, PoolExhausted, RaggedSeq
 from test_model import random_model
 
@@ -82,7 +82,13 @@ def test_parallel_prefill_equals_one_token_at_a_time(thr):
     eb, sb = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     assert torch.equal(ea, eb) and torch.allclose(sa, sb, atol=1e-10, rtol=0)
     assert a.stats() == b.stats()
-    a.release(), b.release()
+    c = RaggedSeq(pool, U, 24)   # the single-token fast path equals the reference run_chunk
+    fast = [decode_token(model, c, int(t), thr) for t in ids]
+    assert torch.equal(torch.cat([f[0] for f in fast]), eb)
+    assert torch.allclose(torch.cat([f[1] for f in fast]), sb, atol=1e-12, rtol=0) and c.stats() == b.stats()
+    same = lambda t: t[:24, :, None] == t[:24, None, :]   # which depths of a row alias each other
+    assert torch.equal(same(c.table), same(b.table)) and torch.equal(c.real, b.real)
+    a.release(), b.release(), c.release()
     assert pool.used == 0
 
 
