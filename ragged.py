@@ -116,6 +116,7 @@ class RaggedSeq:
         self.released = False
 
     def extend(self, T):
+        self._live()
         if self.n + T > self.table.shape[0]:
             raise PoolExhausted(f"sequence of {self.n + T} tokens exceeds its table of {self.table.shape[0]}")
         pos = torch.arange(self.n, self.n + T)
@@ -125,6 +126,7 @@ class RaggedSeq:
     def alloc_depth(self, pos, d):
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it).
         (check() verifies that no page is ever held twice or leaked.)"""
+        self._live()
         pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
         self.table[pos, d] = pages
         self.real[pos, d] = True
@@ -145,9 +147,16 @@ class RaggedSeq:
         self.real[pos] = False
         self.real[pos, depth] = True
 
+    def _live(self):
+        if self.released:
+            raise PageError("this sequence was released: its pages are freed and may belong to another")
+
     def write_pages(self, pos, d, pages):
+        self._live()
         if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
             raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
+        if any(self.pool.owner[p] is not self for p in pages.tolist()):
+            raise PageError("a K/V write to a freed page or one held by another sequence")
 
     def release(self):
         """Return every page this sequence owns."""

@@ -151,9 +151,14 @@ def test_tables_alias_terminal_pages_and_writes_refuse_aliases():
     e = int(exits[i])
     with pytest.raises(PageError):  # a write through the alias at depth e+1 is refused
         seq.write_pages(torch.tensor([i]), e, seq.table[i, e:e + 1])
+    page = seq.table[0, 0:1].clone()
     seq.release()
-    with pytest.raises(PageError):
+    with pytest.raises(PageError):          # double free
         pool.release([0], seq)
+    with pytest.raises(PageError):          # use of a freed page
+        seq.write_pages(torch.tensor([0]), 0, page)
+    with pytest.raises(PageError):          # and no more pages for a released sequence
+        seq.alloc_depth(torch.tensor([0]), 0)
 
 
 def test_table17_baselines_keep_one_row_per_token():
