@@ -144,11 +144,9 @@ def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     assert len(lab) == len(val) and np.array_equal(lab, l1[len(train_ids):len(train_ids) + len(val)])
 
 
-def test_text_dataset_gpt2_offline(tmp_path):
-    shared = os.path.join(HERE, "..", "shared", "data", "gpt2.tiktoken")
+def test_text_dataset_char_and_offline_bpe(tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("hello world, " * 50)
-    # char-level needs nothing
     out = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="text", input=str(src), data_dir=str(tmp_path)))
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(set("hello world, "))
@@ -156,9 +154,18 @@ def test_text_dataset_gpt2_offline(tmp_path):
         prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="text", input=str(tmp_path / "missing")))
     with pytest.raises(UserError):
         prepare_data.gpt2_encoding(str(tmp_path / "missing.tiktoken"))
-    if os.path.isfile(shared):  # an optional extra check when the offline ranks file is around
-        enc = prepare_data.gpt2_encoding(shared)
-        assert enc.decode(enc.encode("hello world")) == "hello world" and enc.n_vocab == 50257
+    # a ranks file in tiktoken's format (base64 token, rank), made here: bytes plus one merge
+    import base64
+    ranks = [bytes([b]) for b in range(256)] + [b"he"]
+    f = tmp_path / "tiny.tiktoken"
+    f.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    enc = prepare_data.gpt2_encoding(str(f))
+    ids = enc.encode("hello world")
+    assert ids[0] == 256 and enc.decode(ids) == "hello world"
+    bpe = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="text", input=str(src), tokenizer="gpt2",
+                                    tiktoken_file=str(f), data_dir=str(tmp_path), name="bpe"))
+    ids = np.fromfile(os.path.join(bpe, "train.bin"), dtype=np.uint16)
+    assert ids[0] == 256 and json.load(open(os.path.join(bpe, "meta.json")))["tokenizer"] == "gpt2"
 
 
 # ----------------------------------------------------------------------------- training end to end
