@@ -3,6 +3,12 @@ KV caches for the looped model.
 
 DenseLanes is Ouro's own layout and our baseline: one K/V lane per (loop, layer), so every token
 must run every loop to fill every lane (the cache problem P1 of the paper, Eq. 5-6).
+
+Ragged KV (App. A.1): a PagePool of physical pages (one token's K/V at one depth, all layers), a
+RaggedSeq per request whose logical table A_d[i] = P_{i,min(d,e_i)} aliases deeper depths to the
+terminal page (Eq. 11), and PagedView, the attention hook that writes fresh pages and reads
+through the table. Physical rows are exactly Σ e_i. The Table 17 baselines reuse the same tables
+(RaggedSeq.collapse keeps one depth per token).
 """
 import torch
 
@@ -34,9 +40,6 @@ class DenseLanes:
         lane_k[:, :, self.pos:end] = k
         lane_v[:, :, self.pos:end] = v
         return lane_k[:, :, :end], lane_v[:, :, :end], causal_mask(self.pos, T, end, k.device)
-
-    def rows(self, n_tokens):
-        return self.k.shape[0] * n_tokens
 
 
 # ----------------------------------------------------------------------------- Ragged KV pages (App. A.1)
