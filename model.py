@@ -19,6 +19,19 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
+def at_least_fp32(dtype):
+    """Exit maths, norms and cross-entropy never run in bf16: fp32, or fp64 in float64 tests."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def token_ce(logits, targets):
+    """Per-token next-token cross-entropy in >= fp32; 0 where the target is -1."""
+    logits = logits.to(at_least_fp32(logits.dtype))
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                           reduction="none")
+    return loss.view(targets.shape)
+
+
 class UserError(Exception):
     """A mistake in what the user asked for. CLIs print it as one line and exit with code 2."""
 
@@ -63,7 +76,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), float(init)))
 
     def forward(self, x):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = x.to(at_least_fp32(x.dtype))
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
@@ -175,15 +188,15 @@ class LoopedLM(nn.Module):
         state passed to the next loop (normed in Ouro, raw in our from-scratch default)."""
         hn = self.norm(h)
         gate = self.early_exit_gate(hn).squeeze(-1)
-        gate = gate.to(torch.promote_types(gate.dtype, torch.float32))  # exit maths never in bf16
+        gate = gate.to(at_least_fp32(gate.dtype))  # exit maths never in bf16
         return hn, gate, (hn if self.config.loop_norm else h)
 
-    def _depth_loss(self, hn, targets):
-        logits = self.lm_head(hn)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # CE in >= fp32
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction="none")
-        return loss.view(targets.shape)
+    def depth_loss(self, hn, targets):
+        """ℓ_{i,d} at one depth. While training, the logits are recomputed in the backward pass
+        (checkpointing), so at most one full-vocabulary logits tensor is alive at a time."""
+        if torch.is_grad_enabled():
+            return checkpoint(lambda x: token_ce(self.lm_head(x), targets), hn, use_reentrant=False)
+        return token_ce(self.lm_head(hn), targets)
 
     def forward(self, idx, targets=None, keep_logits=False):
         """Dense forward through all U depths (how Ouro trains: every token runs every loop).
@@ -206,10 +219,7 @@ class LoopedLM(nn.Module):
             hn, gate, h = self.exit_heads(h)
             gates.append(gate)
             if targets is not None:
-                if torch.is_grad_enabled():
-                    losses.append(checkpoint(self._depth_loss, hn, targets, use_reentrant=False))
-                else:
-                    losses.append(self._depth_loss(hn, targets))
+                losses.append(self.depth_loss(hn, targets))
             if keep_logits:
                 logits.append(self.lm_head(hn))
         out = {"gate_logits": torch.stack(gates, -1)}
@@ -223,7 +233,7 @@ class LoopedLM(nn.Module):
 # ----------------------------------------------------------------------------- exits (Eq. 2-4)
 
 def _prob_dtype(x):
-    return torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 in float64 tests
+    return at_least_fp32(x.dtype)
 
 
 def exit_pdf(gate_logits):
@@ -429,7 +439,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     U = n_run or model.config.n_loops
     h = model.embed_tokens(idx)
     cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
-    pdt = torch.promote_types(h.dtype, torch.float32)
+    pdt = at_least_fp32(h.dtype)
     if taus is not None and not torch.is_tensor(taus):
         taus = torch.full((B, T), float(taus), dtype=pdt, device=idx.device)
     full = torch.zeros(B, T, dtype=torch.bool, device=idx.device) if full is None else full
@@ -457,9 +467,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     logits = model.lm_head(states)
     out["logits"] = logits
     if targets is not None:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        tok = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                              reduction="none").view(targets.shape)
+        tok = token_ce(logits, targets)
         valid = targets != -1
         out["token_loss"] = tok                                  # ℓ_{i,e_i}, 0 where no target
         out["loss"] = tok.sum() / valid.sum().clamp(min=1)       # Eq. 15
@@ -482,8 +490,7 @@ def forward_counterfactual(model, idx, targets, tau=0.5):
         h = model.block(h, cos, sin, PrivateKV(history, d, model.config.n_layer))
         hn, gate, h = model.exit_heads(h)
         gates.append(gate)
-        losses.append(checkpoint(model._depth_loss, hn, targets, use_reentrant=False)
-                      if torch.is_grad_enabled() else model._depth_loss(hn, targets))
+        losses.append(model.depth_loss(hn, targets))
     return {"losses": torch.stack(losses, -1), "gate_logits": torch.stack(gates, -1),
             "exits": rollout["exits"]}
 
@@ -503,7 +510,7 @@ def run_chunk(model, seq, ids, taus, full=None, n_run=None):
     pos = seq.extend(T)
     h = model.embed_tokens(ids)
     cos_all, sin_all = model.rope(pos.to(h.device), h.dtype)
-    pdt = torch.promote_types(h.dtype, torch.float32)
+    pdt = at_least_fp32(h.dtype)
     taus = torch.as_tensor(taus, dtype=pdt).expand(T)
     full = torch.zeros(T, dtype=torch.bool) if full is None else torch.as_tensor(full).expand(T)
     survive = torch.ones(T, dtype=pdt)
@@ -537,7 +544,7 @@ def decode_token(model, seq, token, tau, full=False, n_run=None):
     pos = seq.extend(1)
     h = model.embed_tokens(torch.tensor([[token]], device=model.lm_head.weight.device))
     cos, sin = model.rope(pos.to(h.device), h.dtype)
-    survive = torch.ones((), dtype=torch.promote_types(h.dtype, torch.float32))
+    survive = torch.ones((), dtype=at_least_fp32(h.dtype))
     exit_d, state = 0, None
     for d in range(U):
         pages = seq.alloc_depth(pos, d)

@@ -63,16 +63,19 @@ DEFAULTS = dict(
 MODES = ["fixed", "ouro", "dense_ragged", "ete_ragged", "last_kv", "shared_kv", "collapse_kv"]
 
 
+def check_threshold(c, key):
+    v = c[key]
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+        raise UserError(f"--{key}={v!r} must be a number in [0, 1]")
+    return v
+
+
 def check_args(c, U):
     if c["mode"] not in MODES + [""]:
         raise UserError(f"--mode={c['mode']!r} is not allowed; choose one of: {', '.join(MODES)}")
-    thr = c["thr"]
-    if thr is not None and (isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1):
-        raise UserError(f"--thr={thr!r} must be a number in [0, 1]")
+    thr = check_threshold(c, "thr")
     mode = c["mode"] or ("dense_ragged" if thr is not None else "fixed")
-    pthr = c["prefill_thr"]
-    if pthr is not None and (isinstance(pthr, bool) or not isinstance(pthr, (int, float)) or not 0 <= pthr <= 1):
-        raise UserError(f"--prefill_thr={pthr!r} must be a number in [0, 1]")
+    pthr = check_threshold(c, "prefill_thr")
     if c["prefill_schedule"] not in ("", "cosine"):
         raise UserError(f"--prefill_schedule={c['prefill_schedule']!r}; allowed: cosine (or leave it empty)")
     if c["prefix_full"] < 0:
