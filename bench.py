@@ -13,6 +13,7 @@ Decode targets (issue 3): KV rows and block evaluations exactly Σ e_i, and toke
 mode >= 0.8 × U/Ē times fixed@U's (the paper: 41.1 vs 25.0 tok/s at batch 1 on an H100).
 """
 import json
+import statistics
 import sys
 import time
 
@@ -22,18 +23,21 @@ from configurator import parse, run_cli
 from model import GPTConfig, LoopedLM, UserError, generate, generate_paged, load_checkpoint
 
 DEFAULTS = dict(
-    what="decode",
-    ckpt="",               # a checkpoint; empty: a random model sized so that compute dominates
-    prompt_len=32,
-    new_tokens=96,
-    repeats=3,             # best of N timings per mode
-    thr="0.3,0.5",
-    seed=0,
+    what="decode",         # decode: tokens/s of the inference modes; train: time per step of each objective
+    ckpt="",               # decode: a checkpoint; empty: a random model sized so that compute dominates
+    prompt_len=32,         # decode: prompt tokens
+    new_tokens=96,         # decode: tokens generated per run
+    repeats=5,             # timings per mode, interleaved across modes; the median is reported
+    thr="0.3,0.5",         # decode: thresholds τ of the ragged modes (comma-separated)
+    seed=0,                # seeds the model, the prompt and the batches
     threads=0,             # torch threads (0: leave as is)
-    steps=4,               # train: timed optimizer steps per objective (after one warm-up step)
-    batch_size=8,
-    block_size=128,
+    steps=1,               # train: even/odd step pairs per timed run (after a warm-up run)
+    batch_size=8,          # train: sequences per micro-batch
+    block_size=128,        # train: tokens per sequence
 )
+RULES = dict(what=["decode", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
+             thr="floats in [0, 1]", seed=">= 0", threads=">= 0", steps=">= 1", batch_size=">= 1",
+             block_size=">= 2")
 
 
 def bench_model(seed):
@@ -48,13 +52,17 @@ def bench_model(seed):
     return model
 
 
-def timed(fn, repeats):
-    best, out = float("inf"), None
+def timed(fns, repeats):
+    """Time every fn of {name: fn} `repeats` times, interleaved (name by name within each round, so
+    that a slow spell of a loaded machine hits every mode alike). Returns {name: (median seconds,
+    (fastest, slowest)), last result}."""
+    times, out = {name: [] for name in fns}, {}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            out[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(t), (min(t), max(t)), out[name]) for name, t in times.items()}
 
 
 def bench_decode(c):
@@ -69,23 +77,25 @@ def bench_decode(c):
     if c["prompt_len"] + N > model.config.block_size:
         raise UserError(f"prompt_len + new_tokens = {c['prompt_len'] + N} exceeds block_size {model.config.block_size}")
     thrs = [float(t) for t in str(c["thr"]).split(",")]
-    rows = {}
-    t_fixed, _ = timed(lambda: generate(model, prompt, N, "fixed", U), c["repeats"])
-    rows[f"fixed@{U}"] = dict(avg_depth=float(U), kv_physical=(c["prompt_len"] + N - 1) * U,
-                             kv_dense=(c["prompt_len"] + N - 1) * U, block_evals=(c["prompt_len"] + N - 1) * U,
-                             seconds=t_fixed)
+    fns = {f"fixed@{U}": lambda: generate(model, prompt, N, "fixed", U)}
     for thr in thrs:
-        t, _ = timed(lambda: generate(model, prompt, N, "ouro", None, thr), c["repeats"])
-        rows[f"ouro@{thr}"] = dict(rows[f"fixed@{U}"], seconds=t)
+        fns[f"ouro@{thr}"] = lambda thr=thr: generate(model, prompt, N, "ouro", None, thr)
         for mode in ("dense_ragged", "ete_ragged"):
-            t, r = timed(lambda: generate_paged(model, prompt, N, mode, thr), c["repeats"])
+            fns[f"{mode}@{thr}"] = lambda mode=mode, thr=thr: generate_paged(model, prompt, N, mode, thr)
+    timing = timed(fns, c["repeats"])
+    n_rows = (c["prompt_len"] + N - 1) * U
+    rows = {}
+    for name, (t, spread, r) in timing.items():
+        row = dict(avg_depth=float(U), kv_physical=n_rows, kv_dense=n_rows, block_evals=n_rows)
+        if "ragged" in name:
             s_e = sum(r["prompt_exits"]) + sum(r["decode_exits"])
             if not r["kv"]["physical"] == r["kv"]["block_evals"] == s_e:
-                raise AssertionError(f"{mode}: accounting {r['kv']} != Σe {s_e}")
+                raise AssertionError(f"{name}: accounting {r['kv']} != Σe {s_e}")
             dec = r["decode_exits"]
-            rows[f"{mode}@{thr}"] = dict(avg_depth=sum(dec) / len(dec), kv_physical=r["kv"]["physical"],
-                                         kv_dense=r["kv"]["dense"], block_evals=r["kv"]["block_evals"],
-                                         seconds=t, accounting_exact=True)
+            row = dict(avg_depth=sum(dec) / len(dec), kv_physical=r["kv"]["physical"], kv_dense=r["kv"]["dense"],
+                       block_evals=r["kv"]["block_evals"], accounting_exact=True)
+        rows[name] = dict(row, seconds=t, seconds_min=spread[0], seconds_max=spread[1])
+    t_fixed = rows[f"fixed@{U}"]["seconds"]
     for name, row in rows.items():
         row["kv_ratio"] = row["kv_physical"] / row["kv_dense"]
         row["block_eval_ratio"] = row["block_evals"] / row["kv_dense"]
@@ -94,12 +104,15 @@ def bench_decode(c):
         if "ragged" in name:  # the decode target: ≥ 0.8 × U / Ē (Ē over the decode tokens)
             row["target_speedup"] = 0.8 * U / row["avg_depth"]
             row["meets_target"] = row["speedup_vs_fixed"] >= row["target_speedup"]
-    print(f"{'mode':<18}{'Ē(decode)':>10}{'KV rows':>14}{'KV ratio':>10}{'evals/NU':>10}{'tok/s':>9}{'× fixed':>9}{'target':>8}",
-          file=sys.stderr)
+    print(f"median of {c['repeats']} interleaved runs; spread = slowest/fastest run - 1", file=sys.stderr)
+    print(f"{'mode':<18}{'Ē(decode)':>10}{'KV rows':>14}{'KV ratio':>10}{'evals/NU':>10}{'tok/s':>9}{'spread':>8}"
+          f"{'× fixed':>9}{'target':>8}{'':>6}", file=sys.stderr)
     for name, r in rows.items():
+        verdict = "" if "meets_target" not in r else ("pass" if r["meets_target"] else "FAIL")
         print(f"{name:<18}{r['avg_depth']:>10.2f}{r['kv_physical']:>7}/{r['kv_dense']:<6}{r['kv_ratio']:>10.3f}"
-              f"{r['block_eval_ratio']:>10.3f}{r['tok_s']:>9.1f}{r['speedup_vs_fixed']:>9.2f}"
-              f"{r.get('target_speedup', float('nan')):>8.2f}", file=sys.stderr)
+              f"{r['block_eval_ratio']:>10.3f}{r['tok_s']:>9.1f}{r['seconds_max'] / r['seconds_min'] - 1:>8.0%}"
+              f"{r['speedup_vs_fixed']:>9.2f}{r.get('target_speedup', float('nan')):>8.2f}{verdict:>6}",
+              file=sys.stderr)
     cfg = model.config
     return {"bench": "decode", "batch": 1, "prompt_len": c["prompt_len"], "new_tokens": N, "n_loops": U,
             "model": f"L={cfg.n_layer} d={cfg.n_embd} V={cfg.vocab_size}", "device": "cpu",
@@ -108,7 +121,12 @@ def bench_decode(c):
 
 
 def bench_train(c):
+    """Time per optimizer step of each objective (an even/odd pair of steps per timed run, so that
+    the alternating objectives count one dense and one ragged step), interleaved, as a ratio to
+    dense; and the cost of the step-scope global KL (one extra forward without gradient per
+    micro-batch) against the per-micro-batch KL, both with 2 micro-batches per step."""
     import train
+    from contextlib import nullcontext
     from types import SimpleNamespace
     torch.manual_seed(c["seed"])
     cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=2, n_head=4, n_kv_head=4, n_embd=256,
@@ -123,34 +141,39 @@ def bench_train(c):
     variants = {"dense": dict(ragged_aware=False), "direct_ra": dict(ragged_aware=True, ra_method="direct"),
                 "counterfactual": dict(ragged_aware=True, ra_method="counterfactual"),
                 "reinforce_k1": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=1),
-                "reinforce_k4": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=4)}
-    rows = {}
-    for name, v in variants.items():
-        tc = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, **v))
+                "reinforce_k4": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=4),
+                "dense_2micro_kl_micro": dict(kl_scope="micro", micro=2),
+                "dense_2micro_kl_step": dict(kl_scope="step", micro=2)}
 
-        def step(it):
+    def run(v):
+        tc = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, **{k: w for k, w in v.items() if k != "micro"}))
+        n = v.get("micro", 1)
+        for it in range(2 * c["steps"]):  # even and odd steps alike: a pair covers dense + ragged
             u = torch.rand(train.n_uniforms(tc), B, T, U, generator=g)
-            loss, _ = train.objective(model, x, y, it, prior, tc, 0.01, u)
-            loss.backward()
+            parts = [(x[i::n], y[i::n], u[:, i::n]) for i in range(n)]
+            train.train_step(model, parts, it, prior, tc, 0.01, nullcontext(), n, 1)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        step(0), step(1)  # warm-up
-        t0 = time.perf_counter()
-        for it in range(2 * c["steps"]):  # even and odd steps alike: a pair covers dense + ragged
-            step(it)
-        rows[name] = (time.perf_counter() - t0) / (2 * c["steps"])
+    for v in variants.values():
+        run(v)  # warm-up
+    timing = timed({name: (lambda v=v: run(v)) for name, v in variants.items()}, c["repeats"])
+    rows = {name: t / (2 * c["steps"]) for name, (t, _, _) in timing.items()}
     base = rows["dense"]
-    print(f"{'objective':<16}{'ms/step':>10}{'× dense':>9}", file=sys.stderr)
+    scope_cost = rows["dense_2micro_kl_step"] / rows["dense_2micro_kl_micro"]
+    print(f"median of {c['repeats']} interleaved runs of {2 * c['steps']} steps", file=sys.stderr)
+    print(f"{'objective':<24}{'ms/step':>10}{'× dense':>9}", file=sys.stderr)
     for name, t in rows.items():
-        print(f"{name:<16}{1000 * t:>10.1f}{t / base:>9.2f}", file=sys.stderr)
+        print(f"{name:<24}{1000 * t:>10.1f}{t / base:>9.2f}", file=sys.stderr)
+    print(f"--kl_scope=step costs {scope_cost:.2f}x --kl_scope=micro at 2 micro-batches per step", file=sys.stderr)
     return {"bench": "train", "model": f"L=2 d=256 U={U}", "batch": [B, T], "device": "cpu",
             "ms_per_step": {k: round(1000 * v, 2) for k, v in rows.items()},
             "ratio_to_dense": {k: round(v / base, 3) for k, v in rows.items()},
+            "kl_scope_step_vs_micro": round(scope_cost, 3),
             "direct_ra_meets_target": rows["direct_ra"] / base <= 1.0}
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, dict(what=["decode", "train"]))
+    c = parse(argv, DEFAULTS, RULES, __file__)
     if c["threads"]:
         torch.set_num_threads(c["threads"])
     torch.manual_seed(c["seed"])

@@ -3,14 +3,26 @@ Command-line and config-file overrides, nanoGPT style but without exec-into-glob
 
     python train.py config/shakespeare_char.py --batch_size=32 --max_iters 500 --global_kl
 
-A script declares its defaults as plain values; parse() returns them overridden, in order, by
-config files (python files assigning known keys) and by flags in three forms: `--key=value`,
-`--key value`, and a bare `--flag` for booleans. Values are Python literals checked against the
-type of the default (an int is fine where a float is expected; a default of None takes any
-literal, or a string). Any mistake raises UserError, which main() prints as one line.
+A script declares its defaults as plain values, each with a one-line comment, and right below them
+one RULES table: the allowed range of every key that has one. parse() returns the defaults
+overridden, in order, by config files (python files assigning known keys) and by flags in three
+forms: `--key=value`, `--key value`, and a bare `--flag` for booleans; then it checks every rule.
+Values are Python literals checked against the type of the default (an int is fine where a float
+is expected; a default of None takes any literal, or a string). Any mistake raises UserError,
+which run_cli() prints as one line naming the key. `-h` / `--help` prints the script's docstring
+and every key with its default, its comment (read from the script's source) and its rule.
+
+Rules: a list (the allowed values); a string: '>= 1', '> 0', '<= 8', 'in [0, 1]', 'in (0, 1]',
+'in [0, 1)', or 'floats in [0, 1]' (a comma-separated list of numbers, each in the interval);
+or a function value -> error text (None when fine). A key left at a default of None is "unset"
+and not checked.
 """
 import ast
+import io
+import os
+import re
 import sys
+import tokenize
 
 from model import UserError
 
@@ -46,14 +58,18 @@ def _unknown(key, config):
     return UserError(f"unknown option --{key}; allowed: " + ", ".join(f"--{k}" for k in sorted(config)))
 
 
-def parse(argv, defaults, choices=None):
-    """defaults: {key: default}. choices: {key: allowed values}. Returns a new dict."""
+def parse(argv, defaults, rules=None, source=None):
+    """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the
+    script's file, for --help. Returns a new dict."""
     config = dict(defaults)
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
+        if arg in ("-h", "--help"):
+            print(help_text(defaults, rules, source))
+            raise SystemExit(0)
         if not arg.startswith("--"):
             if not arg.endswith(".py"):
                 raise UserError(f"unexpected argument {arg!r}: use --key=value, or a config/*.py file")
@@ -73,19 +89,58 @@ def parse(argv, defaults, choices=None):
             else:
                 raw, i = nxt, i + 1
         config[key] = _convert(key, raw, defaults[key])
-    for key, allowed in (choices or {}).items():
-        if config[key] not in allowed:
-            raise UserError(f"--{key}={config[key]!r} is not allowed; choose one of: "
-                            + ", ".join(map(str, allowed)))
+    for key, rule in (rules or {}).items():
+        check(key, config[key], rule)
     return config
 
 
-def _is_number(s):
+def check(key, value, rule):
+    """Raise UserError naming --key when value breaks rule (see the module docstring)."""
+    if value is None:
+        return  # unset: the script decides what None means
+    if isinstance(rule, list):
+        if value not in rule:
+            raise UserError(f"--{key}={value!r} is not allowed; choose one of: " + ", ".join(map(str, rule)))
+        return
+    if callable(rule):
+        problem = rule(value)
+        if problem:
+            raise UserError(f"--{key}={value!r}: {problem}")
+        return
+    if rule.startswith("floats "):
+        items = [s.strip() for s in str(value).split(",") if s.strip()]
+        numbers = [_number(s) for s in items]
+        if not items or any(v is None or not _in_range(v, rule[7:]) for v in numbers):
+            raise UserError(f"--{key}={value!r}: expected comma-separated numbers, each {rule[7:]}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _in_range(value, rule):
+        raise UserError(f"--{key}={value!r}: must be a number {rule}")
+
+
+def device_rule(name):
+    """auto | cpu | cuda | cuda:N | mps"""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
+        return "expected auto, cpu, cuda, cuda:N or mps"
+
+
+def _number(s):
     try:
-        float(s)
-        return True
+        return float(s)
     except ValueError:
-        return False
+        return None
+
+
+def _in_range(v, rule):
+    m = re.fullmatch(r"in ([\[(])\s*(\S+),\s*(\S+)\s*([\])])", rule)
+    if m:
+        lo, hi = float(m[2]), float(m[3])
+        return (lo <= v if m[1] == "[" else lo < v) and (v <= hi if m[4] == "]" else v < hi)
+    op, bound = rule.split()
+    return {">=": v >= float(bound), ">": v > float(bound), "<=": v <= float(bound), "<": v < float(bound)}[op]
+
+
+def _is_number(s):
+    return _number(s) is not None
 
 
 def _apply_file(path, config, defaults):
@@ -104,10 +159,57 @@ def _apply_file(path, config, defaults):
         config[key] = _convert(key, value, defaults[key])
 
 
-def run_cli(main):
+# ----------------------------------------------------------------------------- --help
+
+def declared_comments(source):
+    """{key: comment} for every line of `source` (python text) of the form `key = value  # comment`
+    or `key=value,  # comment` (a default inside dict(...)): the comment beside each default."""
+    rows = {}
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            rows.setdefault(tok.start[0], []).append(tok)
+    out = {}
+    for toks in rows.values():
+        if len(toks) > 2 and toks[0].type == tokenize.NAME and toks[1].string == "=" and toks[-1].type == tokenize.COMMENT:
+            out.setdefault(toks[0].string, toks[-1].string.lstrip("#").strip())
+    return out
+
+
+def help_text(defaults, rules=None, source=None):
+    """The script's docstring, then every key: --key=default, its comment and its rule."""
+    doc, comments = "", {}
+    if source and os.path.isfile(source):
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+        doc = (ast.get_docstring(ast.parse(text)) or "").strip()
+        comments = declared_comments(text)
+    name = os.path.basename(source) if source else "script.py"
+    lines = [f"usage: python {name} [config/*.py ...] [--key=value | --key value | --flag ...]", ""]
+    if doc:
+        lines += [doc, ""]
+    lines.append("options (default, then what it does; allowed values in brackets):")
+    width = min(34, max(len(f"--{k}={v!r}") for k, v in defaults.items()) + 2)
+    for key, default in defaults.items():
+        flag = f"--{key}={default!r}"
+        lines.append(f"  {flag:<{width}} {comments.get(key, '')}{_describe((rules or {}).get(key))}".rstrip())
+    return "\n".join(lines)
+
+
+def _describe(rule):
+    if rule is None:
+        return ""
+    if isinstance(rule, list):
+        return " [" + " | ".join(map(repr, rule)) + "]"
+    if callable(rule):
+        return f" [{rule.__doc__}]" if rule.__doc__ else ""
+    return f" [{rule}]"
+
+
+def run_cli(main, argv=None):
     """Call main(argv); a UserError becomes one line on stderr and exit code 2."""
     try:
-        main(sys.argv[1:])
+        main(sys.argv[1:] if argv is None else argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

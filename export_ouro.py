@@ -2,7 +2,7 @@
 Export one of our checkpoints as an Ouro Hugging Face folder (config.json + model.safetensors with
 Ouro's key names, model_type "ouro"), so tools that already run Ouro at fixed depth can load it.
 
-    python export_ouro.py --ckpt out/ --out out-ouro/ [--dtype=bfloat16]
+    python export_ouro.py --ckpt out/ --out out-ouro/ [--dtype=bfloat16] [--force]
 
 Only models trained with --loop_norm (Ouro's per-loop norm) can be exported: Ouro's code would run
 any other model differently. Our tokenizer is written beside it as meta.json (read back by our
@@ -13,18 +13,22 @@ import sys
 import torch
 
 from configurator import parse, run_cli
-from model import UserError, export_ouro, load_checkpoint
+from model import export_ouro, load_checkpoint
 
-DEFAULTS = dict(ckpt="out", out="", dtype="bfloat16")
+DEFAULTS = dict(
+    ckpt="out",            # our checkpoint: a ckpt.pt file or a directory holding one
+    out="",                # the Ouro folder to write (required)
+    dtype="bfloat16",      # dtype of the exported weights
+    force=False,           # overwrite a folder that already holds an export
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+RULES = dict(dtype=list(DTYPES), out=lambda v: None if v else "required: the folder to write")
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, dict(dtype=list(DTYPES)))
-    if not c["out"]:
-        raise UserError("--out=FOLDER is required (where the Ouro folder is written)")
+    c = parse(argv, DEFAULTS, RULES, __file__)
     model, ckpt = load_checkpoint(c["ckpt"])
-    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]])
+    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"])
     print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {c['dtype']})", file=sys.stderr)
 
 

@@ -11,6 +11,7 @@ Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, asdict, fields
 
 import torch
@@ -56,13 +57,16 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     def check(self):
-        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise UserError(f"n_embd={self.n_embd}, n_head={self.n_head}, n_kv_head={self.n_kv_head}: "
-                            "n_embd must divide by n_head and n_head by n_kv_head")
+        """Shapes that must fit together; each message names the keys (train.py's flags)."""
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops"):
+            if getattr(self, key) < 1:
+                raise UserError(f"--{key}={getattr(self, key)}: must be >= 1")
+        if self.n_embd % self.n_head:
+            raise UserError(f"--n_embd={self.n_embd}: must be a multiple of --n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise UserError(f"--n_kv_head={self.n_kv_head}: must divide --n_head={self.n_head}")
         if self.head_dim % 2:
-            raise UserError(f"head_dim={self.head_dim} must be even for RoPE")
-        if self.n_loops < 1:
-            raise UserError(f"n_loops={self.n_loops} must be >= 1")
+            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -510,15 +514,15 @@ def run_chunk(model, seq, ids, taus, full=None, n_run=None):
     pos = seq.extend(T)
     h = model.embed_tokens(ids)
     cos_all, sin_all = model.rope(pos.to(h.device), h.dtype)
-    pdt = at_least_fp32(h.dtype)
-    taus = torch.as_tensor(taus, dtype=pdt).expand(T)
-    full = torch.zeros(T, dtype=torch.bool) if full is None else torch.as_tensor(full).expand(T)
-    survive = torch.ones(T, dtype=pdt)
-    exits = torch.zeros(T, dtype=torch.long)
+    pdt, dev = at_least_fp32(h.dtype), h.device                 # per-token tensors live on the model's device
+    taus = torch.as_tensor(taus, dtype=pdt, device=dev).expand(T)
+    full = torch.zeros(T, dtype=torch.bool, device=dev) if full is None else torch.as_tensor(full, device=dev).expand(T)
+    survive = torch.ones(T, dtype=pdt, device=dev)
+    exits = torch.zeros(T, dtype=torch.long, device=dev)
     states = torch.zeros_like(h)
-    run = torch.arange(T)                                       # indices of running tokens
+    run = torch.arange(T, device=dev)                           # indices of running tokens
     for d in range(U):
-        p = pos[run]
+        p = pos[run.cpu()]                                      # page tables are host-side bookkeeping
         pages = seq.alloc_depth(p, d)                           # a page only when a depth really runs
         hb = model.block(h[run][None], cos_all[run], sin_all[run], PagedView(seq, d, p, pages))[0]
         hn, gate, h_next = model.exit_heads(hb)
@@ -528,7 +532,7 @@ def run_chunk(model, seq, ids, taus, full=None, n_run=None):
         states[run[new]] = hn[new]
         h[run] = h_next
         stop = (new & ~full[run]) | (d == U - 1)
-        seq.stop(p[stop], d)                                    # Eq. 11: deeper rows alias P_{i,e_i}
+        seq.stop(p[stop.cpu()], d)                              # Eq. 11: deeper rows alias P_{i,e_i}
         run = run[~stop]
         if len(run) == 0:
             break
@@ -544,7 +548,7 @@ def decode_token(model, seq, token, tau, full=False, n_run=None):
     pos = seq.extend(1)
     h = model.embed_tokens(torch.tensor([[token]], device=model.lm_head.weight.device))
     cos, sin = model.rope(pos.to(h.device), h.dtype)
-    survive = torch.ones((), dtype=at_least_fp32(h.dtype))
+    survive = torch.ones((), dtype=at_least_fp32(h.dtype), device=h.device)
     exit_d, state = 0, None
     for d in range(U):
         pages = seq.alloc_depth(pos, d)
@@ -618,6 +622,7 @@ def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, dep
         else:
             taus, full = (thr if mode == "ouro" else FULL), True
         exits, states = run_chunk(model, seq, torch.tensor(ids, device=device), taus, full, n_run)
+        exits = exits.cpu()
         _keep(seq, torch.arange(n), exits, rule["keep_prompt"], U)
         prompt_exits, decode_exits = exits.tolist(), []
         new = [sampler(model.lm_head(states[-1]))]
@@ -655,41 +660,89 @@ def exit_stats(exits, U):
 
 # ----------------------------------------------------------------------------- checkpoints
 
+def atomic_write(path, write):
+    """Write a file atomically: write(tmp) fills a temp file beside `path`, which gets the usual
+    permissions (0666 less the umask; mkstemp would leave 0600) and is then renamed over `path`.
+    An interrupted write leaves the old file as it was."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    atomic_write(path, write)
+
+
 def save_checkpoint(obj, path):
-    """Atomic: write a temp file beside the target, then rename over it."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
-def resolve_ckpt_path(path):
+def resolve_device(name):
+    """--device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N or mps."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device={name}: CUDA is not available on this machine; use --device=cpu or auto")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
+    return name
+
+
+def resolve_ckpt_path(path, flag="--ckpt"):
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
     if not os.path.isfile(path):
-        raise UserError(f"no checkpoint at {path!r}: give a ckpt.pt file or a directory holding one "
+        raise UserError(f"{flag}: no checkpoint at {path!r}: give a ckpt.pt file or a directory holding one "
                         "(train.py writes out_dir/ckpt.pt)")
     return path
 
 
-def load_checkpoint(path, device="cpu", dtype=None):
+def load_checkpoint(path, device="cpu", dtype=None, flag="--ckpt"):
     """The one loader used by train, sample and serve: our ckpt.pt (file or directory) or an Ouro
-    Hugging Face folder (config.json + safetensors), detected automatically.
-    Returns (model, checkpoint dict)."""
+    Hugging Face folder (config.json + safetensors), detected automatically. `flag` names the
+    option in error messages. Returns (model, checkpoint dict)."""
     if is_ouro_folder(path):
         return load_ouro(path, device, dtype)
-    path = resolve_ckpt_path(path)
+    path = resolve_ckpt_path(path, flag)
     try:
-        ckpt = torch.load(path, map_location=device, weights_only=True)
-        known = {f.name for f in fields(GPTConfig)}
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not written by torch.save, or holding more than tensors
+        raise UserError(f"{flag}={path}: not a readable PyTorch checkpoint (torch.load: {type(e).__name__}); "
+                        "is it truncated, or another kind of file?")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_args"), dict) or "model" not in ckpt:
+        raise UserError(f"{flag}={path}: a PyTorch file, but not one of our checkpoints (no 'model' and "
+                        "'model_args'; train.py writes them)")
+    known = {f.name for f in fields(GPTConfig)}
+    try:
         cfg = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in known})
         model = LoopedLM(cfg)
-        model.load_state_dict(ckpt["model"])
-    except UserError:
-        raise
-    except Exception as e:  # truncated file, not a checkpoint, wrong keys or shapes
-        first = (str(e).splitlines() or [""])[0][:160]
-        raise UserError(f"cannot load checkpoint {path!r}: not a valid checkpoint ({type(e).__name__}: {first})")
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise UserError(f"{flag}={path}: its model_args do not describe a model ({type(e).__name__})")
+    state = ckpt["model"]
+    want = model.state_dict()
+    bad = sorted(set(want) ^ set(state)) or sorted(k for k in want if tuple(want[k].shape) != tuple(state[k].shape))
+    if bad:
+        raise UserError(f"{flag}={path}: its weights do not match its model_args ({len(bad)} mismatched, "
+                        f"e.g. {bad[0]})")
+    model.load_state_dict(state)
     model.to(device)
     if dtype is not None:
         model.to(dtype)
@@ -729,6 +782,18 @@ def ouro_key(key):
     return key if key.startswith("lm_head.") else "model." + key
 
 
+# The other fields of the published Ouro configs (1.4B, 2.6B and their -Thinking variants). Each is
+# either inert here (it does not change what the model computes) or accepted with the only value
+# that we implement; anything else in a config.json is refused, so no field silently changes the model.
+# (tie_word_embeddings and head_dim are read by the loader; max_window_layers and sliding_window act
+# only with use_sliding_window; early_exit_threshold is Ouro's own τ, ours is --thr.)
+OURO_INERT = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+              "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "early_exit_threshold",
+              "tie_word_embeddings", "head_dim", "max_window_layers", "sliding_window"}
+OURO_ONLY = {"hidden_act": ["silu"], "rope_scaling": [None], "use_sliding_window": [False],
+             "attention_dropout": [0, 0.0], "attention_bias": [False]}
+
+
 def ouro_config(folder):
     with open(os.path.join(folder, "config.json")) as f:
         try:
@@ -740,6 +805,16 @@ def ouro_config(folder):
     missing = [k for k in OURO_FIELDS if k not in hf and k not in ("num_key_value_heads", "max_position_embeddings")]
     if missing:
         raise UserError(f"{folder}/config.json lacks {', '.join(missing)}")
+    for key, value in hf.items():
+        if key in OURO_ONLY and value not in OURO_ONLY[key]:
+            raise UserError(f"{folder}/config.json: {key}={value!r} is not implemented here (only "
+                            f"{' or '.join(map(repr, OURO_ONLY[key]))}); refusing rather than computing another model")
+        if key == "layer_types" and any(t != "full_attention" for t in value):
+            raise UserError(f"{folder}/config.json: layer_types other than 'full_attention' "
+                            f"({sorted(set(value) - {'full_attention'})}) are not implemented here")
+        if key not in OURO_FIELDS and key not in OURO_INERT and key not in OURO_ONLY and key != "layer_types":
+            raise UserError(f"{folder}/config.json: field {key}={value!r} is not one of the Ouro config fields "
+                            "this loader implements; refusing rather than ignoring it")
     args = {ours: hf[theirs] for theirs, ours in OURO_FIELDS.items() if theirs in hf}
     args.setdefault("n_kv_head", args["n_head"])
     args.setdefault("block_size", 4096)
@@ -747,6 +822,8 @@ def ouro_config(folder):
     cfg = GPTConfig(**args, loop_norm=True, branch_norm_init=1.0)
     if "head_dim" in hf and hf["head_dim"] != cfg.head_dim:
         raise UserError(f"{folder}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
+    if len(hf.get("layer_types", [None] * cfg.n_layer)) != cfg.n_layer:
+        raise UserError(f"{folder}/config.json: layer_types has {len(hf['layer_types'])} entries for {cfg.n_layer} layers")
     return cfg, hf
 
 
@@ -800,27 +877,46 @@ def load_ouro(folder, device="cpu", dtype=None):
     return model, {"model_args": asdict(cfg), "meta": meta, "ouro_config": hf}
 
 
-def export_ouro(model, folder, meta=None, dtype=torch.bfloat16):
-    """Write an Ouro-format folder: config.json (model_type "ouro") + model.safetensors with Ouro's
-    key names. Refuses a model that Ouro's code would run differently."""
+OURO_HUB = "ByteDance/Ouro-1.4B"  # where the published Ouro modeling code lives (for auto_map)
+
+
+def export_ouro(model, folder, meta=None, dtype=torch.bfloat16, force=False):
+    """Write an Ouro-format folder: config.json (model_type "ouro", an auto_map to the Ouro modeling
+    code on the Hub) + model.safetensors with Ouro's key names. Refuses a model that Ouro's code
+    would run differently, and an existing Ouro folder unless `force`."""
     cfg = model.config
     if not cfg.loop_norm:
         raise UserError("this model was trained without the per-loop norm (loop_norm=False); Ouro's code "
                         "normalizes the hidden state after every loop and would compute something else. "
                         "Only models trained with --loop_norm can be exported")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--out={folder}: exists and is not a folder")
+    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json"]
+    present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
+    if present and not force:
+        raise UserError(f"--out={folder}: already holds {', '.join(present)}; give --force to overwrite it")
     st = _safetensors()
-    os.makedirs(folder, exist_ok=True)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):  # a sharded folder: its index would shadow the new single file
+        with open(index) as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+        for name in shards:
+            if os.path.isfile(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+        os.remove(index)
     hf = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "hidden_act": "silu",
           "head_dim": cfg.head_dim, "tie_word_embeddings": False, "early_exit_threshold": 1.0,
-          "torch_dtype": str(dtype).replace("torch.", ""), "use_cache": True, "attention_dropout": 0.0}
+          "torch_dtype": str(dtype).replace("torch.", ""), "use_cache": True, "attention_dropout": 0.0,
+          "rope_scaling": None, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
+          "layer_types": ["full_attention"] * cfg.n_layer, "initializer_range": 0.02,
+          "auto_map": {"AutoConfig": f"{OURO_HUB}--configuration_ouro.OuroConfig",
+                       "AutoModel": f"{OURO_HUB}--modeling_ouro.OuroModel",
+                       "AutoModelForCausalLM": f"{OURO_HUB}--modeling_ouro.OuroForCausalLM"}}
     hf.update({theirs: getattr(cfg, ours) for theirs, ours in OURO_FIELDS.items()})
     tensors = {ouro_key(k): v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
-    tmp = os.path.join(folder, "model.safetensors.tmp")
-    st.save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(folder, "model.safetensors"))
-    for name, obj in (("config.json", hf), ("meta.json", meta)):
-        if obj:
-            with open(os.path.join(folder, name + ".tmp"), "w") as f:
-                json.dump(obj, f, indent=2)
-            os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name))
+    atomic_write(os.path.join(folder, "model.safetensors"),
+                 lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json(os.path.join(folder, "config.json"), hf)
+    if meta:
+        write_json(os.path.join(folder, "meta.json"), meta)
     return folder

@@ -22,24 +22,26 @@ import urllib.request
 import numpy as np
 
 from configurator import parse, run_cli
-from model import UserError
+from model import UserError, atomic_write, write_json
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
 
 DEFAULTS = dict(
-    dataset="synthetic",   # synthetic | shakespeare_char | text | fineweb_edu
+    dataset="synthetic",   # which dataset to prepare
     data_dir="data",       # writes data_dir/<name>/
     name="",               # output folder name (default: the dataset name)
-    seed=1337,
+    seed=1337,             # synthetic: the text generator's seed
     size=1_000_000,        # synthetic: characters in total (train + val)
-    val_fraction=0.1,
+    val_fraction=0.1,      # share of the tokens kept for validation (the end of the text)
     input="",              # shakespeare_char / text: local file (shakespeare downloads if empty)
-    tokenizer="char",      # text: char | gpt2
+    tokenizer="char",      # text: characters, or GPT-2 BPE
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
 )
-CHOICES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"])
+RULES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
+             seed=">= 0", size=">= 100", val_fraction="in (0, 1)", tokens=">= 100",
+             name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -145,18 +147,19 @@ def synthetic_text(n_chars, seed):
 # ----------------------------------------------------------------------------- writers
 
 def write_split(out, ids, val_fraction, labels=None, meta=None):
-    os.makedirs(out, exist_ok=True)
     ids = np.asarray(ids)
+    if len(ids) < 2:
+        raise UserError(f"only {len(ids)} token(s) to split into train and val")
     if ids.max() >= 2 ** 16:
         raise UserError(f"token id {ids.max()} does not fit uint16")
-    n_val = max(int(len(ids) * val_fraction), 1)
+    n_val = min(max(int(len(ids) * val_fraction), 1), len(ids) - 1)
     n_train = len(ids) - n_val
-    ids.astype(np.uint16)[:n_train].tofile(os.path.join(out, "train.bin"))
-    ids.astype(np.uint16)[n_train:].tofile(os.path.join(out, "val.bin"))
+    files = {"train.bin": ids.astype(np.uint16)[:n_train], "val.bin": ids.astype(np.uint16)[n_train:]}
     if labels is not None:
-        labels[n_train:].tofile(os.path.join(out, "val_labels.bin"))
-    with open(os.path.join(out, "meta.json"), "w") as f:
-        json.dump(meta, f)
+        files["val_labels.bin"] = labels[n_train:]
+    for name, array in files.items():  # each file whole or not at all
+        atomic_write(os.path.join(out, name), lambda tmp: array.tofile(tmp))
+    write_json(os.path.join(out, "meta.json"), meta)
     print(f"wrote {out}: train {n_train:,} tokens, val {n_val:,} tokens, vocab {meta['vocab_size']}",
           file=sys.stderr)
 
@@ -187,8 +190,14 @@ def _read_text(c):
     if c["input"]:
         if not os.path.isfile(c["input"]):
             raise UserError(f"--input={c['input']!r} does not exist")
-        with open(c["input"], encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(c["input"], encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise UserError(f"--input={c['input']!r}: not UTF-8 text")
+        if not text:
+            raise UserError(f"--input={c['input']!r}: the file is empty")
+        return text
     if c["dataset"] == "text":
         raise UserError("--dataset=text needs --input=FILE")
     try:
@@ -218,7 +227,10 @@ def _fineweb_ids(c):
 
 
 def main(argv):
-    prepare(parse(argv, DEFAULTS, CHOICES))
+    c = parse(argv, DEFAULTS, RULES, __file__)
+    if os.path.exists(c["data_dir"]) and not os.path.isdir(c["data_dir"]):
+        raise UserError(f"--data_dir={c['data_dir']}: exists and is not a directory")
+    prepare(c)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """
-Generate from a trained looped LM (or, later, an Ouro checkpoint) and show how deep each token ran.
+Generate from a trained looped LM or an Ouro checkpoint, and show how deep each token ran.
 
-    python sample.py --ckpt out/ --thr 0.5                  # Ouro mode: all U loops, exit picks the logits
+    python sample.py --ckpt out/ --thr 0.5                  # Dense-Ragged: full-depth prompt, ragged decode
     python sample.py --ckpt out/ --mode=fixed --depth=2     # every token runs exactly 2 loops
     python sample.py --ckpt out/ --prompt "a=5 b=a ; b? " --temperature=0 --json
     python sample.py --ckpt path/to/Ouro-1.4B-Thinking --thr 0.5 --chat --prompt "What is 7*8?"
@@ -22,12 +22,14 @@ Sampling defaults follow the paper: temperature 1.0, top-p 0.7, top-k off.
 """
 import json
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 
-from configurator import parse, run_cli
-from model import UserError, exit_stats, generate_paged, load_checkpoint, sample_token
+from configurator import device_rule, parse, run_cli
+from model import UserError, exit_stats, generate_paged, load_checkpoint, resolve_device, sample_token
 from prepare_data import load_tokenizer
 from ragged import PagePool, PoolExhausted
 
@@ -40,14 +42,14 @@ DEFAULTS = dict(
     ckpt="out",            # a directory holding ckpt.pt, or the file
     prompt="",             # text, or FILE:path; empty = a newline (char models) / <|endoftext|> (gpt2)
     prompt_ids="",         # comma-separated token ids (overrides --prompt)
-    max_new_tokens=100,
-    num_samples=1,
+    max_new_tokens=100,    # tokens to generate per sample
+    num_samples=1,         # how many samples of the same prompt
     temperature=1.0,       # 0 = greedy
     top_k=0,               # 0 = off
     top_p=0.7,             # 1.0 = off
-    seed=1337,
+    seed=1337,             # seeds python, numpy and torch, and the sampler
     thr=None,              # exit threshold τ in [0, 1] (Eq. 4)
-    mode="",               # fixed | ouro | dense_ragged | ete_ragged | last_kv | shared_kv | collapse_kv
+    mode="",               # how tokens run and what KV is kept (see Modes above; default: see below)
     depth=None,            # fixed mode: loops per token (default U)
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
@@ -56,49 +58,45 @@ DEFAULTS = dict(
     kv_pages=0,            # size of the KV page pool (0: enough for every token at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
-    device="cpu",
-    dtype="",              # float32 | float64 | bfloat16 (default: as saved)
+    device="cpu",          # where to run (auto: CUDA when there is one)
+    dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
 MODES = ["fixed", "ouro", "dense_ragged", "ete_ragged", "last_kv", "shared_kv", "collapse_kv"]
-
-
-def check_threshold(c, key):
-    v = c[key]
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
-        raise UserError(f"--{key}={v!r} must be a number in [0, 1]")
-    return v
+RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature=">= 0", top_k=">= 0", top_p="in (0, 1]",
+             seed=">= 0", thr="in [0, 1]", mode=[""] + MODES, depth=">= 1", prefill_thr="in [0, 1]",
+             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule,
+             dtype=["", "float32", "float64", "bfloat16"])
 
 
 def check_args(c, U):
-    if c["mode"] not in MODES + [""]:
-        raise UserError(f"--mode={c['mode']!r} is not allowed; choose one of: {', '.join(MODES)}")
-    thr = check_threshold(c, "thr")
+    """What RULES cannot check alone: the mode's options, and the depth against the model's U."""
+    thr = c["thr"]
     mode = c["mode"] or ("dense_ragged" if thr is not None else "fixed")
-    pthr = check_threshold(c, "prefill_thr")
-    if c["prefill_schedule"] not in ("", "cosine"):
-        raise UserError(f"--prefill_schedule={c['prefill_schedule']!r}; allowed: cosine (or leave it empty)")
-    if c["prefix_full"] < 0:
-        raise UserError(f"--prefix_full={c['prefix_full']!r} must be >= 0")
-    if (pthr is not None or c["prefill_schedule"] or c["prefix_full"]) and mode not in ("ete_ragged", "collapse_kv"):
+    if (c["prefill_thr"] is not None or c["prefill_schedule"] or c["prefix_full"]) and mode not in ("ete_ragged", "collapse_kv"):
         raise UserError(f"--prefill_thr/--prefill_schedule/--prefix_full shape a ragged prefill; they apply to "
                         f"--mode=ete_ragged (or collapse_kv), not {mode}")
-    depth = c["depth"]
-    if depth is None:
-        depth = U
+    depth = U if c["depth"] is None else c["depth"]
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
-        raise UserError(f"--depth={depth!r} must be an integer in 1..{U}")
-    for key, ok, allowed in [("max_new_tokens", c["max_new_tokens"] >= 1, ">= 1"),
-                             ("num_samples", c["num_samples"] >= 1, ">= 1"),
-                             ("temperature", c["temperature"] >= 0, ">= 0"),
-                             ("top_k", c["top_k"] >= 0, ">= 0 (0 = off)"),
-                             ("top_p", 0 < c["top_p"] <= 1, "in (0, 1]")]:
-        if not ok:
-            raise UserError(f"--{key}={c[key]!r} must be {allowed}")
+        raise UserError(f"--depth={depth!r}: must be an integer in 1..{U} (this model has U={U} loops)")
+    if mode == "fixed" and thr is not None and c["mode"]:
+        raise UserError(f"--thr={thr}: --mode=fixed runs --depth loops per token and uses no threshold")
     return mode, (0.5 if thr is None else float(thr)), depth
 
 
 IM_START, IM_END = 1, 2  # Ouro's ChatML ids (the shipped configs say bos/eos/pad 0)
+
+
+def check_chat(meta):
+    """--chat needs Ouro's ChatML tokens <|im_start|> = 1 and <|im_end|> = 2 in the tokenizer."""
+    ok = False
+    if meta.get("tokenizer") == "hf":
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(meta["path"])
+        ok = tok.token_to_id("<|im_start|>") == IM_START and tok.token_to_id("<|im_end|>") == IM_END
+    if not ok:
+        raise UserError(f"--chat: this model's tokenizer ({meta.get('tokenizer', 'none')}) has no ChatML tokens "
+                        f"<|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is for Ouro (Thinking) checkpoints")
 
 
 def chat_ids(ids, encode):
@@ -124,19 +122,22 @@ def prompt_ids(c, meta, encode):
         if meta.get("tokenizer") == "gpt2":
             return [50256]
         return encode("\n") if "\n" in meta.get("chars", "") else [0]
-    return encode(text)
+    try:
+        return encode(text)
+    except UserError as e:
+        raise UserError(f"--prompt: {e}")
 
 
 def summarize(r, U):
-    """The JSON record of one generation: exits, average depths, KV rows, block evaluations,
-    exit fractions and jump rates over every position that ran."""
+    """The JSON record of one generation: exits, average depths, KV rows, block evaluations, and the
+    exit statistics of the decode positions (the paper's convention; in Dense-Ragged the prompt is
+    forced to depth U) with those of the prompt beside them under "prefill"."""
     pe, de = r["prompt_exits"], r["decode_exits"]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-    stats = exit_stats(pe + de, U)
     return {"tokens": r["tokens"], "exits": r["exits"], "prompt_exits": pe, "decode_exits": de,
             "avg_depth": {"prefill": mean(pe), "decode": mean(de), "overall": mean(pe + de)},
             "kv_rows": {k: r["kv"][k] for k in ("physical", "dense", "logical", "peak")},
-            "block_evals": r["kv"]["block_evals"], **stats}
+            "block_evals": r["kv"]["block_evals"], **exit_stats(de, U), "prefill": exit_stats(pe, U)}
 
 
 COLORS = {1: "\033[32m", 2: "\033[36m", 3: "\033[33m", 4: "\033[31m"}  # green, cyan, yellow, red
@@ -163,11 +164,10 @@ def show_exits(tokens, exits, decode, U, prompt_text):
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS)
+    c = parse(argv, DEFAULTS, RULES, __file__)
     dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-    if c["dtype"] not in dtypes:
-        raise UserError(f"--dtype={c['dtype']!r}; allowed: float32, float64, bfloat16")
-    model, ckpt = load_checkpoint(c["ckpt"], c["device"], dtypes[c["dtype"]])
+    device = resolve_device(c["device"])
+    model, ckpt = load_checkpoint(c["ckpt"], device, dtypes[c["dtype"]])
     U = model.config.n_loops
     mode, thr, depth = check_args(c, U)
     meta = ckpt.get("meta") or {}
@@ -180,9 +180,14 @@ def main(argv):
     if c["chat"]:
         if encode is None:
             raise UserError("--chat needs the model's tokenizer (pip install tokenizers)")
+        check_chat(meta)
         ids = chat_ids(ids, encode)
-    if c["kv_pages"] < 0:
-        raise UserError(f"--kv_pages={c['kv_pages']} must be >= 0 (0 = worst case)")
+    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise UserError(f"--prompt_ids: token id {bad[0]} is outside this model's vocabulary [0, {model.config.vocab_size})")
+    if len(ids) >= model.config.block_size:
+        raise UserError(f"--prompt: {len(ids)} tokens, but the context length is block_size={model.config.block_size}; "
+                        f"give at most {model.config.block_size - 1} tokens")
     room = model.config.block_size - len(ids)
     if 0 < room < c["max_new_tokens"]:
         print(f"note: max_new_tokens={c['max_new_tokens']} cut to {room} to fit the context "
@@ -190,6 +195,8 @@ def main(argv):
         c["max_new_tokens"] = room
 
     gen = torch.Generator().manual_seed(c["seed"])
+    random.seed(c["seed"])
+    np.random.seed(c["seed"])
     torch.manual_seed(c["seed"])
 
     def sampler(logits):
@@ -212,11 +219,12 @@ def main(argv):
             print((decode(ids) if decode else "") + (rec["text"] if decode else str(r["tokens"])))
             print("-" * 40)
         a, kv = rec["avg_depth"], rec["kv_rows"]
-        print(f"sample {s}: mode={mode} thr={thr} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
+        how = f"mode={mode}" + (f" depth={depth}" if mode == "fixed" else f" thr={thr}")
+        print(f"sample {s}: {how} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
               f"overall {a['overall']:.2f} of U={U}; KV rows {kv['physical']}/{kv['dense']} "
               f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}", file=sys.stderr)
     if c["json"]:
-        print(json.dumps({"mode": mode, "thr": thr, "depth": depth if mode == "fixed" else None,
+        print(json.dumps({"mode": mode, "thr": None if mode == "fixed" else thr, "depth": depth if mode == "fixed" else None,
                           "n_loops": U, "prompt_tokens": ids, "samples": samples}))
     return samples
 

@@ -201,16 +201,18 @@ def test_eval_metrics_against_brute_force(tmp_path, data_dir):
 
 
 def test_torchrun_two_processes_match_one(tmp_path, data_dir):
-    common = TINY + [f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--gradient_accumulation_steps=2",
-                     "--ragged_aware", "--global_kl"]
+    """torchrun with the default gradient_accumulation_steps=1: each of 2 processes runs one micro-batch,
+    which equals one process with 2 micro-batches (the same global batch), step-scope global KL included."""
+    common = TINY + [f"--data_dir={data_dir}", "--max_iters=4", "--eval_interval=4", "--ragged_aware", "--global_kl"]
     one = str(tmp_path / "one")
-    train.main(common + [f"--out_dir={one}"])
+    train.main(common + [f"--out_dir={one}", "--gradient_accumulation_steps=2"])
     two = str(tmp_path / "two")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.join(HERE, "train.py")] + common + [f"--out_dir={two}"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 micro-batch(es) of 4x16 = 128 tokens per step (1 per process x 2 process(es))" in r.stderr
     a = [x["train_loss"] for x in read_log(one) if "train_loss" in x]
     b = [x["train_loss"] for x in read_log(two) if "train_loss" in x]
     assert len(a) == len(b) == 4
@@ -218,3 +220,58 @@ def test_torchrun_two_processes_match_one(tmp_path, data_dir):
     va = read_log(one)[-1]["val_loss_fixed"]
     vb = read_log(two)[-1]["val_loss_fixed"]
     assert np.allclose(va, vb, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- global KL over the whole step (Eq. 10)
+
+def _grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def _kl_setup(seed, scope="step"):
+    from types import SimpleNamespace
+    model = random_model(seed).train()                        # float64
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, 37, (4, 12), generator=g), torch.randint(0, 37, (4, 12), generator=g)
+    c = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, kl_scope=scope))
+    return model, x, y, c, train.exit_prior("poisson", 4)
+
+
+def _two_process_worker(rank, seed, init_file, out):
+    import torch.distributed as dist
+    from contextlib import nullcontext
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model, x, y, c, prior = _kl_setup(seed)
+    mine = slice(2 * rank, 2 * rank + 2)
+    loss, _, kl_step = train.train_step(model, [(x[mine], y[mine], None)], 0, prior, c, 0.3, nullcontext(), 2, 2)
+    if rank == 0:
+        torch.save({"grad": _grads(model), "loss": loss, "kl": kl_step}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_step_scope_global_kl_gradient_equals_single_batch_eq10(tmp_path):
+    """--kl_scope=step: 2 processes x 1 micro-batch and 1 process x 2 micro-batches give the gradient
+    of Eq. 10 computed on the whole batch at once (float64); --kl_scope=micro does not."""
+    from contextlib import nullcontext
+    seed = int(torch.randint(0, 10_000, ()))
+    model, x, y, c, prior = _kl_setup(seed)
+    out = model(x, y)
+    loss, _, reg, pi = train.dense_loss(out["losses"], out["gate_logits"], prior, True, 0.3)
+    loss.backward()
+    ref = _grads(model)
+    assert abs(reg.item() - float(train.kl_global(pi, prior))) < 1e-12
+    runs = {}
+    for scope in ("step", "micro"):
+        model, x, y, c, prior = _kl_setup(seed, scope)
+        value, _, kl_step = train.train_step(model, [(x[:2], y[:2], None), (x[2:], y[2:], None)], 0, prior, c, 0.3,
+                                             nullcontext(), 2, 1)
+        runs[scope] = _grads(model)
+        assert abs(kl_step - reg.item()) < 1e-12            # the logged KL is the step's, in both scopes
+    assert torch.allclose(runs["step"], ref, atol=1e-12, rtol=1e-9)
+    assert abs(value - loss.item()) > 1e-6 and not torch.allclose(runs["micro"], ref, atol=1e-6)
+    torch.multiprocessing.spawn(_two_process_worker, args=(seed, str(tmp_path / "init"), str(tmp_path / "g.pt")),
+                                nprocs=2)
+    two = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert torch.allclose(two["grad"], ref, atol=1e-12, rtol=1e-9)
+    assert abs(two["loss"] - float(loss)) < 1e-10 and abs(two["kl"] - reg.item()) < 1e-12

@@ -187,6 +187,51 @@ def test_export_import_round_trip_and_refusal(tmp_path):
     assert not os.path.exists(str(tmp_path / "no" / "model.safetensors"))
 
 
+PUBLISHED = dict(CFG, hidden_act="silu", rope_scaling=None, use_sliding_window=False, sliding_window=None,
+                 max_window_layers=3, layer_types=["full_attention"] * 3, head_dim=8, attention_dropout=0.0,
+                 initializer_range=0.02, early_exit_threshold=1.0, torch_dtype="bfloat16", use_cache=True,
+                 transformers_version="4.55.0", auto_map={"AutoConfig": "configuration_ouro.OuroConfig"})
+
+
+@pytest.mark.parametrize("field,value", [("rope_scaling", {"type": "linear", "factor": 4.0}), ("hidden_act", "gelu"),
+                                         ("use_sliding_window", True), ("layer_types", ["sliding_attention"] * 3),
+                                         ("attention_dropout", 0.1), ("some_new_field", 1)])
+def test_config_fields_not_implemented_are_refused(tmp_path, field, value):
+    t = ouro_tensors(CFG, seed=4)
+    assert load_checkpoint(write_folder(str(tmp_path / "ok"), PUBLISHED, t))[0].config.n_layer == 3
+    folder = write_folder(str(tmp_path / "bad"), dict(PUBLISHED, **{field: value}), t)
+    with pytest.raises(UserError, match=field):
+        load_checkpoint(folder)
+
+
+def test_export_writes_auto_map_and_refuses_to_overwrite(tmp_path):
+    model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=40,
+                               loop_norm=True)).eval()
+    out = str(tmp_path / "exp")
+    export_ouro(model, out)
+    hf = json.load(open(os.path.join(out, "config.json")))
+    assert hf["auto_map"]["AutoModelForCausalLM"] == "ByteDance/Ouro-1.4B--modeling_ouro.OuroForCausalLM"
+    assert hf["auto_map"]["AutoConfig"] == "ByteDance/Ouro-1.4B--configuration_ouro.OuroConfig"
+    assert oct(os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777) == oct(0o666 & ~_umask())
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)}
+    with pytest.raises(UserError, match="--force"):
+        export_ouro(model, out)
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == before
+    write_folder(out, CFG, ouro_tensors(CFG, 1), shards=2)   # a sharded folder there: --force replaces it whole
+    export_ouro(model, out, force=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert load_checkpoint(out)[0].config.n_layer == 2
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError, match="not a folder"):
+        export_ouro(model, str(tmp_path / "file"))
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def make_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "\n": 3, "user": 4, "assistant": 5}

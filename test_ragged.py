@@ -256,3 +256,29 @@ def test_fuzz_pages_over_many_sequences():
         s.release()
     pool.check()
     assert pool.used == 0 and exits_seen > 300 and pool.peak > 200
+
+
+def test_sample_reports_decode_exit_statistics_and_prefill_apart(tmp_path, capsys):
+    """Exit fractions and jump rates are over decode positions (the paper's convention); the prompt's
+    own (all U in Dense-Ragged) are reported under "prefill"; fixed mode reports no threshold."""
+    import json
+    import sample
+    from model import exit_stats, model_args, save_checkpoint
+    model = varied_model()
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": {}},
+                    str(tmp_path / "ckpt.pt"))
+    ids = ",".join(map(str, prompt(12)))
+    res = sample.main(["--ckpt", str(tmp_path), "--thr", "0.3", "--prompt_ids", ids, "--max_new_tokens=20",
+                       "--temperature=0", "--json", "--dtype=float64"])
+    r = res[0]
+    assert r["prompt_exits"] == [U] * 12 and len(set(r["decode_exits"])) >= 2
+    for key in ("exit_fractions", "jump_rates", "large_jump_rate"):
+        assert r[key] == exit_stats(r["decode_exits"], U)[key]
+        assert r["prefill"][key] == exit_stats(r["prompt_exits"], U)[key]
+    assert r["prefill"]["exit_fractions"] == [0, 0, 0, 1.0]
+    capsys.readouterr()
+    sample.main(["--ckpt", str(tmp_path), "--mode=fixed", "--depth=2", "--prompt_ids", ids, "--max_new_tokens=3",
+                 "--json", "--dtype=float64"])
+    out = capsys.readouterr()
+    rec = json.loads(out.out.strip().splitlines()[-1])
+    assert rec["thr"] is None and rec["depth"] == 2 and "thr=" not in out.err and "depth=2" in out.err

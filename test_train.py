@@ -50,7 +50,7 @@ def test_dense_loss_hand_computed():
     gates = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)   # λ = 0.5 -> π = [.5, .25, .125, .125]
     losses = torch.tensor([[[4.0, 2.0, 1.0, 1.0]]], dtype=torch.float64)
     prior = torch.full((4,), 0.25, dtype=torch.float64)
-    total, expected, reg = train.dense_loss(losses, gates, prior, global_kl=False, beta=0.1)
+    total, expected, reg, _ = train.dense_loss(losses, gates, prior, global_kl=False, beta=0.1)
     assert abs(float(expected) - (2 + 0.5 + 0.125 + 0.125)) < 1e-12
     pi = np.array([.5, .25, .125, .125])
     assert abs(float(reg) - float((pi * np.log(pi / 0.25)).sum())) < 1e-12
@@ -95,7 +95,7 @@ def test_configurator_three_forms_and_files(tmp_path):
     with pytest.raises(UserError, match="allowed"):
         configurator.parse(["--nope=1"], d)
     with pytest.raises(UserError, match="choose one of"):
-        configurator.parse(["--name=z"], d, choices={"name": ["x", "y"]})
+        configurator.parse(["--name=z"], d, rules={"name": ["x", "y"]})
     cfg_file.write_text("unknown_key = 1\n")
     with pytest.raises(UserError):
         configurator.parse([str(cfg_file)], d)
@@ -193,9 +193,41 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_dir):
     a = [r["train_loss"] for r in read_log(full) if "train_loss" in r]
     b = [r["train_loss"] for r in read_log(split) if "train_loss" in r]
     assert len(a) == 8 and a == b
-    ea = [r["val_loss_fixed"] for r in read_log(full) if "val_loss_fixed" in r]
-    eb = [r["val_loss_fixed"] for r in read_log(split) if "val_loss_fixed" in r]
-    assert ea[-1] == eb[-1]
+    ea = [(r["iter"], r["val_loss_fixed"]) for r in read_log(full) if "val_loss_fixed" in r]
+    eb = [(r["iter"], r["val_loss_fixed"]) for r in read_log(split) if "val_loss_fixed" in r]
+    assert ea == eb and [i for i, _ in ea] == [0, 4, 8]      # the log continues seamlessly: no duplicate record
+    # resuming a finished run does nothing and rewrites nothing
+    ckpt, log = (open(os.path.join(split, f), "rb").read() for f in ("ckpt.pt", "log.jsonl"))
+    assert train.main(common + [f"--out_dir={split}", "--init_from=resume"]) is None
+    assert (open(os.path.join(split, "ckpt.pt"), "rb").read(), open(os.path.join(split, "log.jsonl"), "rb").read()) == (ckpt, log)
+
+
+def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_dir, monkeypatch):
+    out = str(tmp_path / "o")
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2"]
+    train.main(args)
+    files = {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")}
+    mask = os.umask(0)
+    os.umask(mask)
+    assert os.stat(os.path.join(out, "ckpt.pt")).st_mode & 0o777 == 0o666 & ~mask   # not mkstemp's 0600
+    real_step, calls = train.train_step, []
+
+    def interrupted(*a, **k):   # the second run is killed during its first steps, before any checkpoint
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(train, "train_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args + ["--seed=7"])
+    assert {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")} == files
+    assert os.path.isfile(os.path.join(out, "log.jsonl.new"))
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(args + ["--seed=7"])            # run again, to the end: its own checkpoint and log only
+    log = read_log(out)
+    assert [r["iter"] for r in log if "val_loss_fixed" in r] == [0, 2, 4] and not os.path.exists(out + "/log.jsonl.new")
+    assert open(os.path.join(out, "ckpt.pt"), "rb").read() != files["ckpt.pt"]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["seed"] == 7
 
 
 def test_training_beats_unigram_and_logs_metrics(tmp_path, data_dir):
@@ -259,13 +291,41 @@ def test_cli_errors_are_one_line_exit_2_and_nothing_lost(tmp_path, trained):
     assert bad.read_bytes() == b"not a checkpoint" and open(ckpt, "rb").read() == before
 
 
+@pytest.mark.parametrize("rule,good,bad", [
+    (">= 1", [1, 7], [0, -3, "abc", True]), ("> 0", [1e-9, 2], [0, -1]), ("<= 8", [8, -2], [9]),
+    ("in [0, 1]", [0, 0.5, 1], [-0.1, 1.5, "x"]), ("in (0, 1]", [1, 0.2], [0]), ("in [0, 1)", [0], [1]),
+    ("floats in [0, 1]", ["0.3", "0.3,0.5", "1"], ["", "a", "0.3,2", "-1"]),
+    (["a", "b"], ["a"], ["c"]), (lambda v: None if v % 2 else "must be odd", [3], [4]),
+])
+def test_configurator_rules(rule, good, bad):
+    for v in good:
+        configurator.check("k", v, rule)
+    for v in bad:
+        with pytest.raises(UserError, match=r"^--k="):
+            configurator.check("k", v, rule)
+    configurator.check("k", None, rule)  # an unset key (default None) is not checked
+
+
+def test_help_lists_every_key_with_its_comment_and_rule(capsys):
+    for module in (train, sample, prepare_data):
+        with pytest.raises(SystemExit) as e:
+            configurator.parse(["--help"], module.DEFAULTS, module.RULES, module.__file__)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python ") and module.__doc__.strip().splitlines()[0] in out
+        for key in module.DEFAULTS:
+            line = next(l for l in out.splitlines() if l.strip().startswith(f"--{key}="))
+            assert len(line.split(None, 1)) == 2, f"--{key} has no comment"
+    assert next(l for l in out.splitlines() if "--size=" in l).endswith("[>= 100]")   # prepare_data's rule
+
+
 def test_config_files_parse():
     cfg_dir = os.path.join(HERE, "config")
     files = sorted(f for f in os.listdir(cfg_dir) if f.endswith(".py"))
     assert "ouro160m_fineweb.py" in files and "shakespeare_char.py" in files
     for f in files:
-        c = configurator.parse([os.path.join(cfg_dir, f)], train.DEFAULTS, train.CHOICES)
+        c = configurator.parse([os.path.join(cfg_dir, f)], train.DEFAULTS, train.RULES)
         assert c["n_loops"] == 4
-    c = configurator.parse([os.path.join(cfg_dir, "ouro160m_fineweb.py")], train.DEFAULTS, train.CHOICES)
+    c = configurator.parse([os.path.join(cfg_dir, "ouro160m_fineweb.py")], train.DEFAULTS, train.RULES)
     assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 524_288   # App. B
     assert (c["n_layer"], c["n_embd"], c["ffn_hidden"], c["n_head"]) == (12, 768, 2048, 12)

@@ -20,6 +20,7 @@ Ragged-aware training (App. C), --ragged_aware with --ra_method:
 import json
 import math
 import os
+import random
 import sys
 import time
 from types import SimpleNamespace
@@ -27,72 +28,83 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from configurator import parse, run_cli
+from configurator import device_rule, parse, run_cli
 from model import (GPTConfig, LoopedLM, UserError, exit_log_pdf, exit_pdf, forward_counterfactual,
-                   forward_ragged, load_checkpoint, model_args, save_checkpoint)
+                   forward_ragged, load_checkpoint, model_args, resolve_device, save_checkpoint)
 
 # ----------------------------------------------------------------------------- defaults
 # I/O
-out_dir = "out"
-eval_interval = 100
-log_interval = 10
-eval_iters = 10
-eval_only = False
-init_from = "scratch"       # scratch | resume
-stop_iter = -1              # stop (checkpoint written) at this iteration, to split a run into jobs
+out_dir = "out"              # where ckpt.pt and log.jsonl go
+eval_interval = 100          # evaluate, log and checkpoint every this many iterations
+log_interval = 10            # log a training record every this many iterations
+eval_iters = 10              # val batches per evaluation
+eval_only = False            # evaluate once, print the record as JSON on stdout, write nothing
+init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly where it stopped
+stop_iter = -1               # stop (checkpoint written) at this iteration, to split a run into jobs
 # data
-dataset = "synthetic"       # a folder under data_dir made by prepare_data.py
-data_dir = "data"
-batch_size = 16
-block_size = 128
-gradient_accumulation_steps = 1
+dataset = "synthetic"        # a folder under data_dir made by prepare_data.py
+data_dir = "data"            # where prepare_data.py wrote the datasets
+batch_size = 16              # sequences per micro-batch
+block_size = 128             # tokens per sequence (the context length)
+gradient_accumulation_steps = 1  # micro-batches per optimizer step, over all processes (at least one each)
 # model (GPTConfig fields)
-n_layer = 2
-n_head = 4
-n_kv_head = 4
-n_embd = 128
-ffn_hidden = 352
-n_loops = 4
-rope_theta = 1e6
-loop_norm = False
-branch_norm_init = 0.02
+n_layer = 2                  # L: layers in the looped block
+n_head = 4                   # attention heads
+n_kv_head = 4                # key/value heads (< n_head: grouped-query attention)
+n_embd = 128                 # model width
+ffn_hidden = 352             # SwiGLU inner size
+n_loops = 4                  # U: applications of the block, one exit gate after each
+rope_theta = 1e6             # RoPE base
+loop_norm = False            # pass norm(h) to the next loop (Ouro: True; App. B: False)
+branch_norm_init = 0.02      # initial gain of the in-branch norms (App. B)
 # objective
-prior = "uniform"           # uniform | geometric | poisson (App. B)
-prior_lambda = None         # geometric: 0.3, poisson: 2.1 when None
-global_kl = False           # False: local KL per token (Eq. 9, Ouro); True: global KL (Eq. 10)
-beta = None                 # None: App. B cosine-rise schedule over the run; a number: flat β (Ouro: 0.1)
-eval_thr = "0.5"            # τ list (comma-separated) for the ragged val loss; the first also gives the exit stats
+prior = "uniform"            # the exit-depth prior of the KL term (App. B)
+prior_lambda = None          # prior parameter (default: geometric 0.3, poisson 2.1)
+global_kl = False            # False: local KL per token (Eq. 9, Ouro); True: global KL (Eq. 10)
+kl_scope = "step"            # global KL: π̄ over every token of the optimizer step, or over each micro-batch
+beta = None                  # None: App. B cosine-rise schedule over the run; a number: flat β (Ouro: 0.1)
+eval_thr = "0.5"             # τ list (comma-separated) for the ragged val loss; the first also gives the exit stats
 # ragged-aware training (App. C)
-ragged_aware = False        # alternate dense steps with ragged steps
-ra_method = "direct"        # direct | counterfactual | reinforce
-cf_thr = 0.5                # threshold of the committed rollout in counterfactual steps
-reinforce_k = 1             # trajectories per step: 1 (baseline: dense final-depth path) or 4 (leave-one-out)
-w_rag = 1.0                 # weight of the ragged terms in the REINFORCE loss (Eq. 22)
-alpha = 0.01                # weight of the score term (Eq. 22); the paper gives no value
+ragged_aware = False         # alternate dense steps with ragged steps
+ra_method = "direct"         # which ragged-aware objective (App. C)
+cf_thr = 0.5                 # threshold of the committed rollout in counterfactual steps
+reinforce_k = 1              # trajectories per step: 1 (baseline: dense final-depth path) or 4 (leave-one-out)
+w_rag = 1.0                  # weight of the ragged terms in the REINFORCE loss (Eq. 22)
+alpha = 0.01                 # weight of the score term (Eq. 22); the paper gives no value
 # optimizer
-learning_rate = 1e-3
-max_iters = 500
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0
-decay_lr = True
-warmup_iters = 50
-lr_decay_start = -1         # cosine decay starts here (-1: right after warmup); App. B: at 1B tokens
-lr_decay_iters = -1         # -1: max_iters
-min_lr = 1e-4
+learning_rate = 1e-3         # peak learning rate (AdamW)
+max_iters = 500              # optimizer steps in the whole run
+weight_decay = 0.1           # AdamW weight decay of matrices (not of norms and the gate bias)
+beta1 = 0.9                  # AdamW β1
+beta2 = 0.95                 # AdamW β2
+grad_clip = 1.0              # clip the gradient norm to this (0: off)
+decay_lr = True              # warmup then cosine decay (False: constant learning_rate)
+warmup_iters = 50            # linear warmup steps
+lr_decay_start = -1          # cosine decay starts here (-1: right after warmup); App. B: at 1B tokens
+lr_decay_iters = -1          # cosine decay ends here (-1: max_iters)
+min_lr = 1e-4                # learning rate at the end of the decay
 # system
-device = "auto"             # auto | cpu | cuda | cuda:N | mps
-dtype = "auto"              # auto (bf16 autocast on CUDA, fp32 on CPU) | float32 | bfloat16
-compile = False
-backend = ""                # torchrun: "" = nccl on CUDA, gloo on CPU
-seed = 1337
+device = "auto"              # where to train (auto: CUDA when there is one)
+dtype = "auto"               # auto: bf16 autocast on CUDA, fp32 on CPU
+compile = False              # torch.compile the model
+backend = ""                 # torchrun process group ("": nccl on CUDA, gloo on CPU)
+seed = 1337                  # seeds python, numpy and torch; the data order and sampled exits follow it
 
 DEFAULTS = {k: v for k, v in dict(globals()).items()
             if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
-CHOICES = dict(init_from=["scratch", "resume"], prior=["uniform", "geometric", "poisson"],
-               dtype=["auto", "float32", "bfloat16"], ra_method=["direct", "counterfactual", "reinforce"],
-               reinforce_k=[1, 4])
+
+
+RULES = dict(
+    eval_interval=">= 1", log_interval=">= 1", eval_iters=">= 1", init_from=["scratch", "resume"],
+    stop_iter=">= -1", batch_size=">= 1", block_size=">= 1", gradient_accumulation_steps=">= 1",
+    n_layer=">= 1", n_head=">= 1", n_kv_head=">= 1", n_embd=">= 2", ffn_hidden=">= 1", n_loops=">= 1",
+    rope_theta="> 0", prior=["uniform", "geometric", "poisson"], prior_lambda="> 0", kl_scope=["step", "micro"],
+    beta=">= 0", eval_thr="floats in [0, 1]", ra_method=["direct", "counterfactual", "reinforce"],
+    cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0", max_iters=">= 1",
+    weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0", warmup_iters=">= 0",
+    lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0", device=device_rule,
+    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=">= 0",
+)
 MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops", "block_size",
               "rope_theta", "loop_norm", "branch_norm_init"]
 
@@ -130,16 +142,29 @@ def kl_global(pi, prior):
     return kl(pi.mean(0), prior.to(pi))
 
 
-def dense_loss(losses, gate_logits, prior, global_kl, beta, valid=None):
-    """L = mean_i Σ_d π_i(d) ℓ_{i,d} + β R(π)  (Eq. 9 or Eq. 10; Eq. 14 with mask `valid`)."""
+def dense_loss(losses, gate_logits, prior, global_kl, beta, valid=None, pi_bar=None):
+    """L = mean_i Σ_d π_i(d) ℓ_{i,d} + β R(π)  (Eq. 9 or Eq. 10; Eq. 14 with mask `valid`).
+    pi_bar: the global KL's mean exit distribution over the whole optimizer step, when this batch is
+    only part of it (--kl_scope=step); None: the mean over this batch.
+    Returns the loss, its two parts and the per-token π (detached)."""
     pi = exit_pdf(gate_logits).reshape(-1, gate_logits.shape[-1])
     losses = losses.reshape(-1, losses.shape[-1])
     if valid is not None:
         keep = valid.reshape(-1)
         pi, losses = pi[keep], losses[keep]
     expected = (pi * losses.to(pi.dtype)).sum(-1).mean()
-    reg = kl_global(pi, prior) if global_kl else kl_local(pi, prior)
-    return expected + beta * reg, expected, reg
+    if not global_kl:
+        reg = kl_local(pi, prior)
+    elif pi_bar is None:
+        reg = kl_global(pi, prior)
+    else:
+        # Eq. 10 over the step: π̄ mixes every micro-batch, so this batch's share of the gradient is
+        # ∂KL(π̄‖p)/∂π̄ = log π̄ - log p + 1 applied to the mean π of its own tokens (the caller divides
+        # by the number of micro-batches); the value is the step's KL.
+        grad = torch.log(pi_bar.clamp_min(torch.finfo(pi.dtype).tiny)) - torch.log(prior.to(pi)) + 1
+        lin = (pi.mean(0) * grad.detach()).sum()
+        reg = kl(pi_bar.detach(), prior.to(pi)) + lin - lin.detach()
+    return expected + beta * reg, expected, reg, pi.detach()
 
 
 def beta_schedule(frac, beta=None):
@@ -206,10 +231,11 @@ def reinforce_advantages(G, dense_final_loss, mask):
     return G - b
 
 
-def reinforce_loss(model, x, y, prior, c, beta, uniforms):
+def reinforce_loss(model, x, y, prior, c, beta, uniforms, pi_bar=None):
     """Eq. 22: L_dense + w_rag (L_direct + α L_score) over K sampled Ragged-KV trajectories."""
     out = model(x, y)
-    loss, expected, reg = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta)
+    loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta,
+                                         pi_bar=pi_bar)
     mask = (y != -1).to(out["losses"].dtype)
     N = mask.sum().clamp(min=1)
     tok, rho = [], []
@@ -225,24 +251,73 @@ def reinforce_loss(model, x, y, prior, c, beta, uniforms):
     score = (rho * A.detach() * mask).sum() / (K * N)                            # Eq. 21 (a_i = m_i here)
     total = loss + c.w_rag * (direct + c.alpha * score)
     return total, {"expected_ce": expected.item(), "reg": reg.item(), "rag_ce": direct.item(),
-                   "score": score.item()}
+                   "score": score.item()}, pi
 
 
-def objective(model, x, y, step, prior, c, beta, uniforms):
-    """The loss of one micro-batch at optimizer step `step`, and numbers to log."""
+def objective(model, x, y, step, prior, c, beta, uniforms, pi_bar=None):
+    """The loss of one micro-batch at optimizer step `step`, numbers to log, and the per-token exit
+    distributions π (detached; None in ragged steps, which have no KL term)."""
     kind = step_kind(step, c)
     if kind == "dense":                                                          # Eq. 9/10/14
         out = model(x, y)
-        loss, expected, reg = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta)
-        return loss, {"expected_ce": expected.item(), "reg": reg.item()}
+        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta,
+                                             pi_bar=pi_bar)
+        return loss, {"expected_ce": expected.item(), "reg": reg.item()}, pi
     if kind == "ragged":                                                         # Eq. 15, no KL term
         out = forward_ragged(model, x, y, uniforms=uniforms[0])
-        return out["loss"], {"rag_ce": out["loss"].item(), "avg_sampled_depth": out["exits"].float().mean().item()}
+        parts = {"rag_ce": out["loss"].item(), "avg_sampled_depth": out["exits"].float().mean().item()}
+        return out["loss"], parts, None
     if kind == "counterfactual":                                                 # Eq. 18
         out = forward_counterfactual(model, x, y, c.cf_thr)
-        loss, expected, reg = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta)
-        return loss, {"cf_ce": expected.item(), "reg": reg.item()}
-    return reinforce_loss(model, x, y, prior, c, beta, uniforms)
+        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta,
+                                             pi_bar=pi_bar)
+        return loss, {"cf_ce": expected.item(), "reg": reg.item()}, pi
+    return reinforce_loss(model, x, y, prior, c, beta, uniforms, pi_bar)
+
+
+@torch.no_grad()
+def step_mean_pi(model, batches, kind, c, world):
+    """π̄ over every token of an optimizer step (Eq. 10 at --kl_scope=step): a forward pass without
+    gradient of each of this process's micro-batches, summed over all processes. The KL term is not
+    linear in π̄, so every micro-batch needs the step's π̄ before its own backward pass."""
+    total = 0
+    for x, y, _ in batches:
+        g = (forward_counterfactual(model, x, y, c.cf_thr) if kind == "counterfactual" else model(x))["gate_logits"]
+        pi = exit_pdf(g).reshape(-1, g.shape[-1])
+        total = total + torch.cat([pi.sum(0), pi.new_tensor([pi.shape[0]])])
+    if world > 1:
+        import torch.distributed as dist
+        dist.all_reduce(total)
+    return total[:-1] / total[-1]
+
+
+def train_step(model, batches, step, prior, c, beta, ctx, n_micro, world):
+    """Forward and backward of this process's share `batches` [(x, y, uniforms)] of optimizer step
+    `step` (n_micro micro-batches over all processes). Gradients accumulate in .grad and are summed
+    over processes. Returns the step's mean loss, its parts (averaged over this process's
+    micro-batches) and KL(π̄ ‖ prior) over every token of the step (None in ragged steps)."""
+    kind = step_kind(step, c)
+    pi_bar = None
+    if c.global_kl and c.kl_scope == "step" and n_micro > 1 and kind != "ragged":
+        with ctx:
+            pi_bar = step_mean_pi(model, batches, kind, c, world)
+    params = [p for p in model.parameters() if p.requires_grad]
+    stats = 0                                                    # [loss sum, Σ_i π_i (U values), token count]
+    parts = {}
+    for x, y, u in batches:
+        with ctx:
+            loss, p, pi = objective(model, x, y, step, prior, c, beta, u, pi_bar)
+        (loss / n_micro).backward()
+        U = prior.numel()
+        pis = torch.zeros(U + 1, dtype=torch.float64, device=x.device) if pi is None else \
+            torch.cat([pi.sum(0).double(), pi.new_tensor([pi.shape[0]], dtype=torch.float64)])
+        stats = stats + torch.cat([loss.detach().double().reshape(1), pis])
+        for k, v in p.items():
+            parts[k] = parts.get(k, 0.0) + v / len(batches)
+    if world > 1:  # data parallel: sum gradients (already divided by the global micro-batch count)
+        all_reduce_sum([p.grad for p in params if p.grad is not None] + [stats])
+    kl_step = float(kl(stats[1:-1] / stats[-1], prior.to(stats))) if stats[-1] > 0 else None
+    return float(stats[0]) / n_micro, parts, kl_step
 
 
 # ----------------------------------------------------------------------------- data
@@ -255,16 +330,20 @@ def data_paths(c):
 def ensure_data(c):
     paths, meta_path = data_paths(c)
     if all(os.path.isfile(p) for p in paths.values()) and os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            return json.load(f)
+        try:
+            with open(meta_path) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"--dataset={c.dataset}: cannot read {meta_path} ({type(e).__name__}); "
+                            "prepare the dataset again with prepare_data.py")
+    import prepare_data
     if c.dataset == "synthetic":  # the default dataset prepares itself, offline
-        import prepare_data
         print("preparing the synthetic dataset (python prepare_data.py)", file=sys.stderr)
         prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=c.data_dir))
         return ensure_data(c)
-    import prepare_data
-    kind = c.dataset if c.dataset in prepare_data.CHOICES["dataset"] else "<" + "|".join(prepare_data.CHOICES["dataset"]) + ">"
-    raise UserError(f"dataset {c.dataset!r} is not prepared in {os.path.dirname(meta_path)!r}: run "
+    kinds = prepare_data.RULES["dataset"]
+    kind = c.dataset if c.dataset in kinds else "<" + "|".join(kinds) + ">"
+    raise UserError(f"--dataset={c.dataset}: not prepared in {os.path.dirname(meta_path)!r}: run "
                     f"python prepare_data.py --dataset={kind} --name={c.dataset} --data_dir={c.data_dir}")
 
 
@@ -273,8 +352,6 @@ def load_split(c, split):
 
 
 def draw_starts(data, c, n, generator):
-    if len(data) <= c.block_size + 1:
-        raise UserError(f"split of {len(data)} tokens is shorter than block_size+1={c.block_size + 1}")
     return torch.randint(len(data) - c.block_size - 1, (n,), generator=generator).tolist()
 
 
@@ -315,13 +392,7 @@ def spearman(a, b):
 
 
 def eval_thresholds(c):
-    try:
-        thrs = [float(t) for t in str(c.eval_thr).split(",") if t.strip()]
-    except ValueError:
-        thrs = []
-    if not thrs or not all(0 <= t <= 1 for t in thrs):
-        raise UserError(f"--eval_thr={c.eval_thr!r}: expected comma-separated thresholds in [0, 1]")
-    return thrs
+    return [float(t) for t in str(c.eval_thr).split(",") if t.strip()]  # checked by RULES
 
 
 @torch.no_grad()
@@ -377,14 +448,6 @@ def evaluate(model, val, labels, c, prior, ctx, device):
 
 # ----------------------------------------------------------------------------- main
 
-def resolve_device(name):
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device={name!r} but CUDA is not available; use --device=cpu or auto")
-    return name
-
-
 def make_optimizer(model, c, device):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]  # norms, gate bias
@@ -418,18 +481,47 @@ def all_reduce_sum(tensors):
         offset += t.numel()
 
 
+def check_config(c):
+    """What the RULES table cannot say alone: keys that must fit together, and paths. Runs before
+    anything is written."""
+    if c.prior == "geometric" and c.prior_lambda is not None and not c.prior_lambda < 1:
+        raise UserError(f"--prior_lambda={c.prior_lambda}: the geometric prior needs a value in (0, 1)")
+    for key in ("out_dir", "data_dir"):
+        path = getattr(c, key)
+        if not path:
+            raise UserError(f"--{key} is empty: give a directory")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UserError(f"--{key}={path}: exists and is not a directory")
+    if c.init_from == "resume":
+        if not os.path.isfile(os.path.join(c.out_dir, "ckpt.pt")):
+            raise UserError(f"--init_from=resume: no checkpoint {os.path.join(c.out_dir, 'ckpt.pt')!r} to resume "
+                            "(check --out_dir)")
+    else:
+        GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
+    if c.stop_iter == 0:
+        raise UserError("--stop_iter=0: stops before the first step; give a positive iteration (or -1: no stop)")
+
+
+def micro_batches(c, world):
+    """Micro-batches per optimizer step over all processes: gradient_accumulation_steps, raised to
+    one per process when there are more processes than that."""
+    n = c.gradient_accumulation_steps
+    if n < world:
+        return world
+    if n % world:
+        raise UserError(f"--gradient_accumulation_steps={n}: must be a multiple of the {world} processes "
+                        "(each runs an equal share of the global batch)")
+    return n
+
+
 def main(argv):
-    c = SimpleNamespace(**parse(argv, DEFAULTS, CHOICES))
-    if c.beta is not None and (isinstance(c.beta, bool) or not isinstance(c.beta, (int, float)) or c.beta < 0):
-        raise UserError(f"--beta={c.beta!r} must be a number >= 0 (or leave it unset for the App. B schedule)")
-    if c.prior_lambda is not None and not (isinstance(c.prior_lambda, (int, float)) and c.prior_lambda > 0):
-        raise UserError(f"--prior_lambda={c.prior_lambda!r} must be a positive number")
-    eval_thresholds(c)
+    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__))
+    check_config(c)
     rank, world, device = setup_distributed(c)
     master = rank == 0
-    if c.gradient_accumulation_steps % world:
-        raise UserError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be a multiple of "
-                        f"the {world} processes (each runs its share of the global batch)")
+    n_micro = micro_batches(c, world)
+    random.seed(c.seed)
+    np.random.seed(c.seed)
     torch.manual_seed(c.seed)
     meta = ensure_data(c) if master else None
     if world > 1:
@@ -442,30 +534,43 @@ def main(argv):
     labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
 
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
+    log_path = os.path.join(c.out_dir, "log.jsonl")
     data_gen = torch.Generator().manual_seed(c.seed)       # batches: the same on every rank
     exit_gen = torch.Generator().manual_seed(c.seed + 2)   # sampled exits of ragged steps
+    resumed_at = None
     if c.init_from == "resume":
-        model, ckpt = load_checkpoint(ckpt_path, device)
+        model, ckpt = load_checkpoint(ckpt_path, device, flag="--out_dir")
         model.train()
         saved = ckpt["config"]
         for k in MODEL_KEYS + ["dataset", "batch_size"]:  # these define the run; keep them
             setattr(c, k, saved[k])
+        train, val = load_split(c, "train"), load_split(c, "val")
         optimizer = make_optimizer(model, c, device)
         optimizer.load_state_dict(ckpt["optimizer"])
         data_gen.set_state(ckpt["data_rng"])
         exit_gen.set_state(ckpt["exit_rng"])
-        iter_num = ckpt["iter_num"]
+        iter_num = resumed_at = ckpt["iter_num"]
         if master:
-            print(f"resuming from {ckpt_path} at iter {iter_num}", file=sys.stderr)
+            print(f"resuming from {ckpt_path} at iter {iter_num}; log.jsonl continues", file=sys.stderr)
     else:
         cfg = GPTConfig(vocab_size=meta["vocab_size"], **{k: getattr(c, k) for k in MODEL_KEYS})
         model = LoopedLM(cfg).to(device)
         optimizer = make_optimizer(model, c, device)
         iter_num = 0
-        if master and os.path.exists(os.path.join(c.out_dir, "log.jsonl")):
-            os.remove(os.path.join(c.out_dir, "log.jsonl"))  # a fresh run starts a fresh log
-    if master:
+    for split in (train, val):
+        if len(split) <= c.block_size + 1:
+            raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
+                            "tokens; it needs more than block_size + 1")
+    # A fresh run into a folder that holds an earlier run leaves that run's ckpt.pt and log.jsonl
+    # untouched until it has a checkpoint of its own: its log goes to log.jsonl.new until then.
+    pending = (c.init_from == "scratch" and not c.eval_only
+               and any(os.path.exists(p) for p in (ckpt_path, log_path)))
+    log_file = log_path + ".new" if pending else log_path
+    if master and pending:
         os.makedirs(c.out_dir, exist_ok=True)
+        open(log_file, "w").close()
+        print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first checkpoint "
+              f"(iter {min(c.eval_interval, c.max_iters)}); until then this run logs to {log_file}", file=sys.stderr)
 
     use_bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and device.startswith("cuda"))
     ctx = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16) if use_bf16
@@ -476,45 +581,65 @@ def main(argv):
     baseline = unigram_loss(np.asarray(train), np.asarray(val), model.config.vocab_size)
     objective_name = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
         f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
+    B, T = c.batch_size, c.block_size
+    tokens_per_iter = B * T * n_micro
     if master:
         print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, U={U}; "
-              f"objective: {objective_name}; device {device}, {world} process(es)", file=sys.stderr)
+              f"objective: {objective_name}; device {device}", file=sys.stderr)
+        print(f"global batch: {n_micro} micro-batch(es) of {B}x{T} = {tokens_per_iter:,} tokens per step "
+              f"({n_micro // world} per process x {world} process(es))", file=sys.stderr)
         print(f"unigram baseline val loss: {baseline:.4f}", file=sys.stderr)
 
-    def log(record):
+    def record_of(it, metrics):
+        return {"iter": it, "tokens": it * tokens_per_iter, **metrics,
+                "beta": beta_schedule(it / c.max_iters, c.beta), "unigram_loss": round(baseline, 5)}
+
+    if c.eval_only:  # one evaluation, printed; nothing is written
+        metrics = evaluate(model, val, labels, c, prior, ctx, device)
         if master:
-            with open(os.path.join(c.out_dir, "log.jsonl"), "a") as f:
+            print(json.dumps(record_of(iter_num, metrics)))
+        return metrics
+
+    def log(record):
+        nonlocal log_file
+        if master:
+            os.makedirs(c.out_dir, exist_ok=True)
+            with open(log_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def save(it):
+        nonlocal log_file, pending
         if master:
             save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "model_args": model_args(model.config), "iter_num": it, "config": vars(c),
                              "meta": meta, "data_rng": data_gen.get_state(), "exit_rng": exit_gen.get_state()},
                             ckpt_path)
+            if pending:  # this run has a checkpoint now: its log replaces the earlier run's
+                os.replace(log_file, log_path)
+                log_file, pending = log_path, False
 
-    n_micro = c.gradient_accumulation_steps           # micro-batches per optimizer step, all ranks together
     mine = range(rank * n_micro // world, (rank + 1) * n_micro // world)
-    B, T = c.batch_size, c.block_size
-    tokens_per_iter = B * T * n_micro
     last = c.max_iters if c.stop_iter < 0 else min(c.stop_iter, c.max_iters)
+    if iter_num >= last:
+        if master:
+            print(f"the checkpoint is at iter {iter_num} already (max_iters={c.max_iters}, stop_iter={c.stop_iter}): "
+                  "nothing to do; raise --max_iters to train on", file=sys.stderr)
+        return None
     from tqdm import tqdm
     bar = tqdm(total=last, initial=iter_num, desc="train", unit="it", file=sys.stderr, dynamic_ncols=True,
                mininterval=1.0, disable=not master)
     metrics = None
     while True:
-        if iter_num % c.eval_interval == 0 or iter_num == last:
+        if (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != resumed_at:
             metrics = evaluate(model, val, labels, c, prior, ctx, device)
-            record = {"iter": iter_num, "tokens": iter_num * tokens_per_iter, **metrics,
-                      "beta": beta_schedule(iter_num / c.max_iters, c.beta), "unigram_loss": round(baseline, 5)}
-            log(record)
+            log(record_of(iter_num, metrics))
             if master:
                 bar.write(f"iter {iter_num}: val loss fixed@1..{U} {metrics['val_loss_fixed']}, ragged "
                           f"{metrics['val_loss_ragged']}; avg exit depth {metrics['avg_exit_depth']:.2f}, "
                           f"fractions {metrics['exit_fractions']}, large jumps {metrics['large_jump_rate']:.3f}")
-            if iter_num > 0 or c.eval_only:
+            if iter_num > 0:
                 save(iter_num)
-        if iter_num >= last or c.eval_only:
+        if iter_num >= last:
             break
         lr = lr_at(iter_num, c)
         b = beta_schedule(iter_num / c.max_iters, c.beta)
@@ -526,16 +651,11 @@ def main(argv):
         kind = step_kind(iter_num, c)
         uniforms = (torch.rand(n_uniforms(c), B * n_micro, T, U, generator=exit_gen)
                     if kind in ("ragged", "reinforce") else None)
-        loss_sum = torch.zeros((), device=device)
+        batches = []
         for m in mine:
             x, y = get_batch(train, c, starts[m * B:(m + 1) * B], device)
-            u = None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(device)
-            with ctx:
-                loss, parts = objective(fwd, x, y, iter_num, prior, c, b, u)
-            (loss / n_micro).backward()
-            loss_sum += loss.detach().float()
-        if world > 1:  # data parallel: sum gradients (already divided by the global micro-batch count)
-            all_reduce_sum([p.grad for p in model.parameters() if p.grad is not None] + [loss_sum])
+            batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(device)))
+        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, prior, c, b, ctx, n_micro, world)
         if c.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
         optimizer.step()
@@ -543,8 +663,8 @@ def main(argv):
         iter_num += 1
         bar.update(1)
         if iter_num % c.log_interval == 0:
-            train_loss = loss_sum.item() / n_micro
-            log({"iter": iter_num, "step": kind, "train_loss": train_loss, **parts, "lr": lr, "beta": b,
+            extra = {} if kl_step is None else {"kl_global": kl_step}
+            log({"iter": iter_num, "step": kind, "train_loss": train_loss, **parts, **extra, "lr": lr, "beta": b,
                  "ms_per_iter": round(1000 * (time.time() - t0), 1)})
             bar.set_postfix(loss=f"{train_loss:.4f}", beta=f"{b:.4f}")
     bar.close()

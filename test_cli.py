@@ -1,0 +1,115 @@
+"""Every script's entry point on bad input, in-process: exit code 2, exactly one stderr line
+`error: ...` naming the bad key, and no file created or changed. Plus --help everywhere."""
+import hashlib
+import os
+import re
+
+import pytest
+
+import bench
+import configurator
+import export_ouro
+import prepare_data
+import sample
+import train
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
+        "--batch_size=4", "--eval_iters=1", "--max_iters=2", "--eval_interval=2", "--warmup_iters=1"]
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """A working folder with a dataset, a trained checkpoint (out/), one trained with Ouro's per-loop
+    norm (ouro_ckpt/), an exported Ouro folder, a text file, an empty file and a plain file."""
+    root = tmp_path_factory.mktemp("sandbox")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, size=20000))
+        train.main(TINY)
+        train.main(TINY + ["--out_dir=ouro_ckpt", "--loop_norm"])
+        export_ouro.main(["--ckpt=ouro_ckpt", "--out=exported"])
+    finally:
+        os.chdir(cwd)
+    (root / "book.txt").write_text("to be or not to be\n" * 50)
+    (root / "empty.txt").write_text("")
+    (root / "notes.txt").write_text("hello, not a checkpoint\n")
+    return root
+
+
+def snapshot(root):
+    out = {}
+    for folder, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(folder, f)
+            with open(p, "rb") as fh:
+                out[p] = (os.stat(p).st_mtime_ns, hashlib.sha256(fh.read()).hexdigest())
+    return out
+
+
+CASES = [
+    # (script, args, the key the message must name)
+    (train, ["--batch_size=0"], "batch_size"), (train, ["--batch_size=-1"], "batch_size"),
+    (train, ["--max_iters=0"], "max_iters"), (train, ["--eval_interval=0"], "eval_interval"),
+    (train, ["--log_interval=0"], "log_interval"), (train, ["--gradient_accumulation_steps=0"], "gradient_accumulation_steps"),
+    (train, ["--n_head=0"], "n_head"), (train, ["--block_size=0"], "block_size"),
+    (train, ["--out_dir=notes.txt"], "out_dir"), (train, ["--prior=zipf"], "prior"),
+    (train, ["--max_iters=ten"], "max_iters"), (train, ["--unknown"], "unknown"), (train, ["--beta=-1"], "beta"),
+    (train, ["--dataset=missing"], "dataset"), (train, ["--init_from=resume", "--out_dir=fresh"], "init_from"),
+    (train, ["--n_embd=130"], "n_embd"), (train, ["--n_kv_head=3"], "n_kv_head"),
+    (train, ["--eval_thr=0.5,2"], "eval_thr"), (train, ["--device=cuda"], "device"), (train, ["--device=tpu"], "device"),
+    (train, ["--prior=geometric", "--prior_lambda=1.5"], "prior_lambda"), (train, ["--learning_rate=0"], "learning_rate"),
+    (train, ["--block_size=5000"], "block_size"), (train, ["--kl_scope=global"], "kl_scope"),
+    (train, ["--stop_iter=0"], "stop_iter"), (train, ["--beta1=1"], "beta1"),
+    (prepare_data, ["--size=0"], "size"), (prepare_data, ["--size=-5"], "size"),
+    (prepare_data, ["--dataset=text", "--input=empty.txt"], "input"), (prepare_data, ["--val_fraction=1.5"], "val_fraction"),
+    (prepare_data, ["--dataset=imagenet"], "dataset"), (prepare_data, ["--dataset=text"], "input"),
+    (prepare_data, ["--dataset=text", "--input=missing.txt"], "input"), (prepare_data, ["--tokenizer=bpe"], "tokenizer"),
+    (prepare_data, ["--name=../x"], "name"), (prepare_data, ["--data_dir=notes.txt"], "data_dir"),
+    (bench, ["--thr=abc"], "thr"), (bench, ["--repeats=0"], "repeats"), (bench, ["--new_tokens=0"], "new_tokens"),
+    (bench, ["--what=train", "--steps=0"], "steps"), (bench, ["--thr=1.5"], "thr"), (bench, ["--what=serve"], "what"),
+    (export_ouro, ["--ckpt=ouro_ckpt", "--out=notes.txt"], "out"), (export_ouro, ["--ckpt=ouro_ckpt", "--out=exported"], "out"),
+    (export_ouro, ["--ckpt=ouro_ckpt"], "out"), (export_ouro, ["--ckpt=ouro_ckpt", "--out=x", "--dtype=int8"], "dtype"),
+    (export_ouro, ["--ckpt=nowhere", "--out=new_folder"], "ckpt"), (export_ouro, ["--ckpt=out", "--out=new_folder"], "loop_norm"),
+    (sample, ["--ckpt=notes.txt"], "ckpt"), (sample, ["--ckpt=nowhere"], "ckpt"), (sample, ["--device=cuda"], "device"),
+    (sample, ["--chat"], "chat"), (sample, ["--thr", "1.5"], "thr"), (sample, ["--thr=abc"], "thr"),
+    (sample, ["--mode=warp"], "mode"), (sample, ["--depth=9"], "depth"), (sample, ["--top_p=0"], "top_p"),
+    (sample, ["--prompt_ids=1,x"], "prompt_ids"), (sample, ["--prompt=" + "a" * 40], "prompt"),
+    (sample, ["--prompt=ABC"], "prompt"), (sample, ["--kv_pages=-1"], "kv_pages"),
+    (sample, ["--mode=ouro", "--thr=0.5", "--kv_pages=3", "--max_new_tokens=5"], "kv_pages"),
+    (sample, ["--mode=ete_ragged", "--thr=0.5", "--prefill_schedule=linear"], "prefill_schedule"),
+    (sample, ["--thr=0.5", "--prefix_full=2"], "prefix_full"), (sample, ["--mode=fixed", "--thr=0.5"], "thr"),
+    (sample, ["--dtype=int8"], "dtype"), (sample, ["--max_new_tokens=0"], "max_new_tokens"),
+    (sample, ["--prompt_ids=999"], "prompt_ids"),
+]
+
+
+@pytest.mark.parametrize("script,args,key", CASES, ids=[f"{m.__name__}:{' '.join(a)[:40]}" for m, a, _ in CASES])
+def test_bad_input_is_one_line_exit_2_and_nothing_changes(sandbox, monkeypatch, capsys, script, args, key):
+    monkeypatch.chdir(sandbox)
+    before = snapshot(sandbox)
+    if script is sample:
+        args = (["--ckpt=out"] if not any(a.startswith("--ckpt") for a in args) else []) + args
+    with pytest.raises(SystemExit) as e:
+        configurator.run_cli(script.main, args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert f"--{key}" in lines[0] or re.search(rf"\b{key}\b", lines[0]), lines[0]
+    assert snapshot(sandbox) == before, "a file was created or changed"
+
+
+def test_at_least_forty_cases():
+    assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample}
+
+
+@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_exits_0_and_lists_every_key(script, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        configurator.run_cli(script.main, [flag])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for key, default in script.DEFAULTS.items():
+        assert f"--{key}={default!r}" in out
