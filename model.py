@@ -4,8 +4,8 @@ after every loop, and the exit rules of the paper (Eq. 3, Eq. 4).
 
 Read top to bottom: config, the layer, the looped model and its dense forward, exit maths,
 generation on Ouro's dense lanes (the recompute oracle and the cached Ouro-mode decode), Ragged KV
-(the dense-shaped forward of Eq. 7, the counterfactual forward, the compact paged path and its
-generation modes), our checkpoints, and Ouro Hugging Face folders (import and export).
+(the dense-shaped forward of Eq. 7, the oracle of the paged engine in serve_depthbatch.py and the
+training path; the counterfactual forward), our checkpoints, and Ouro Hugging Face folders.
 Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
 """
 import json
@@ -101,6 +101,15 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def attention(q, k, v, mask=None):
+    """Scaled dot-product attention, causal unless a mask is given. q (B, Hq, T, D); k, v (B, Hkv, S, D):
+    with grouped-query attention each K/V head serves Hq/Hkv query heads."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -111,20 +120,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x, cos, sin, kv=None):
-        """kv: None for plain causal self-attention, or a function (k, v) -> (keys, values, mask)
-        through which a cache stores this step's K/V and hands back what the queries may read."""
+        """kv: None for plain causal self-attention, or a function (q, k, v) -> output through which
+        a cache stores this step's K/V and attends over what the queries may read."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
-        if kv is not None:
-            k, v, mask = kv(k, v)
-        rep = self.n_head // self.n_kv_head
-        if rep > 1:  # grouped-query attention: each K/V head serves `rep` query heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = attention(q, k, v) if kv is None else kv(q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -180,10 +183,16 @@ class LoopedLM(nn.Module):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
     def block(self, h, cos, sin, cache=None):
-        """One application of the shared block B_θ (Eq. 1). `cache`, if given, has a method
-        layer_kv(layer_index, k, v) -> (keys, values, mask) that stores and serves K/V."""
+        """One application of the shared block B_θ (Eq. 1). `cache`, if given, either stores and
+        serves K/V (layer_kv(layer_index, k, v) -> keys, values, mask), or runs the attention of
+        many rows itself (attend(layer_index, q, k, v) -> output: the engine's paged rows)."""
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (lambda k, v, i=i: cache.layer_kv(i, k, v))
+            if cache is None:
+                kv = None
+            elif hasattr(cache, "attend"):
+                kv = (lambda q, k, v, i=i: cache.attend(i, q, k, v))
+            else:
+                kv = (lambda q, k, v, i=i: attention(q, *cache.layer_kv(i, k, v)))
             h = layer(h, cos, sin, kv)
         return h
 
@@ -499,69 +508,6 @@ def forward_counterfactual(model, idx, targets, tau=0.5):
             "exits": rollout["exits"]}
 
 
-@torch.no_grad()
-def run_chunk(model, seq, ids, taus, full=None, n_run=None):
-    """Compact paged forward of new tokens (a prompt chunk, or one decode token): at each depth
-    only the tokens still running are gathered and computed, reading history through the page
-    table of `seq` (ragged.RaggedSeq). Prefill stays parallel: depth d runs for all still-active
-    prompt tokens at once, since depth-d work needs only depths <= d (Eq. 7 causality).
-
-    taus: per-token thresholds (FULL = never exit early); full: keep running to the last depth
-    after the exit is decided. Returns 1-based exits and the normed states at the exit."""
-    from ragged import PagedView
-    U = n_run or model.config.n_loops
-    T = len(ids)
-    pos = seq.extend(T)
-    h = model.embed_tokens(ids)
-    cos_all, sin_all = model.rope(pos.to(h.device), h.dtype)
-    pdt, dev = at_least_fp32(h.dtype), h.device                 # per-token tensors live on the model's device
-    taus = torch.as_tensor(taus, dtype=pdt, device=dev).expand(T)
-    full = torch.zeros(T, dtype=torch.bool, device=dev) if full is None else torch.as_tensor(full, device=dev).expand(T)
-    survive = torch.ones(T, dtype=pdt, device=dev)
-    exits = torch.zeros(T, dtype=torch.long, device=dev)
-    states = torch.zeros_like(h)
-    run = torch.arange(T, device=dev)                           # indices of running tokens
-    for d in range(U):
-        p = pos[run.cpu()]                                      # page tables are host-side bookkeeping
-        pages = seq.alloc_depth(p, d)                           # a page only when a depth really runs
-        hb = model.block(h[run][None], cos_all[run], sin_all[run], PagedView(seq, d, p, pages))[0]
-        hn, gate, h_next = model.exit_heads(hb)
-        survive[run], now = exit_now(survive[run], gate, taus[run])  # Eq. 4, online
-        new = (exits[run] == 0) & (now | (d == U - 1))
-        exits[run[new]] = d + 1
-        states[run[new]] = hn[new]
-        h[run] = h_next
-        stop = (new & ~full[run]) | (d == U - 1)
-        seq.stop(p[stop.cpu()], d)                              # Eq. 11: deeper rows alias P_{i,e_i}
-        run = run[~stop]
-        if len(run) == 0:
-            break
-    return exits, states
-
-
-@torch.no_grad()
-def decode_token(model, seq, token, tau, full=False, n_run=None):
-    """Fast path of run_chunk for one decode token: no gathers or scatters, and the exit decided
-    on one-element tensors with the same float operations (the tests hold the two equal)."""
-    from ragged import PagedView
-    U = n_run or model.config.n_loops
-    pos = seq.extend(1)
-    h = model.embed_tokens(torch.tensor([[token]], device=model.lm_head.weight.device))
-    cos, sin = model.rope(pos.to(h.device), h.dtype)
-    survive = torch.ones((), dtype=at_least_fp32(h.dtype), device=h.device)
-    exit_d, state = 0, None
-    for d in range(U):
-        pages = seq.alloc_depth(pos, d)
-        hn, gate, h = model.exit_heads(model.block(h, cos, sin, PagedView(seq, d, pos, pages)))
-        survive, now = exit_now(survive, gate[0, 0], tau)       # Eq. 4, online
-        if exit_d == 0 and (bool(now) or d == U - 1):
-            exit_d, state = d + 1, hn[0]
-        if (exit_d and not full) or d == U - 1:
-            seq.stop(pos, d)                                    # Eq. 11
-            break
-    return torch.tensor([exit_d]), state
-
-
 def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
     """Per-token thresholds for an ETE-Ragged prefill (App. E.2): a threshold of its own, a cosine
     schedule from 1 (full depth) at the first prompt token down to τ at the last, and the first k
@@ -573,80 +519,6 @@ def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full
         taus = base + (1 - base) * (1 + torch.cos(math.pi * t)) / 2
     taus[:prefix_full] = FULL
     return taus
-
-
-# mode -> how prompt and decode tokens run, and which depth the Table 17 baselines keep.
-#   prompt: 'full' (dense prefill, all U lanes), 'ragged' (ETE); decode_full: run all U loops;
-#   keep: None (Ragged KV tables) or which depth every later read uses ('last' = U, 'exit' = e_i).
-PAGED_MODES = {
-    "fixed": dict(prompt="fixed", decode_full=False, keep_prompt=None, keep_decode=None),
-    "ouro": dict(prompt="full", decode_full=True, keep_prompt=None, keep_decode=None),
-    "dense_ragged": dict(prompt="full", decode_full=False, keep_prompt=None, keep_decode=None),
-    "ete_ragged": dict(prompt="ragged", decode_full=False, keep_prompt=None, keep_decode=None),
-    "last_kv": dict(prompt="full", decode_full=True, keep_prompt="last", keep_decode="last"),
-    "shared_kv": dict(prompt="full", decode_full=False, keep_prompt="last", keep_decode="exit"),
-    "collapse_kv": dict(prompt="collapse", decode_full=False, keep_prompt="exit", keep_decode="exit"),
-}
-
-
-@torch.inference_mode()
-def generate_paged(model, ids, max_new_tokens, mode="dense_ragged", thr=0.5, depth=None, sampler=None,
-                   prefill_thr=None, prefill_schedule="", prefix_full=0, pool=None, stop=()):
-    """Generate through the paged Ragged-KV cache. Modes: see PAGED_MODES and sample.py.
-    Generation ends after max_new_tokens or a token in `stop`. Returns a dict: tokens, exits (depth
-    that produced each new token), prompt_exits, decode_exits (by position), kv (physical / logical
-    / dense rows, peak pages, block_evals)."""
-    from ragged import PagePool, RaggedSeq
-    cfg = model.config
-    U = cfg.n_loops
-    if mode not in PAGED_MODES:
-        raise UserError(f"mode {mode!r}; allowed: {', '.join(PAGED_MODES)}")
-    check_prompt(model, ids, max_new_tokens)
-    rule = PAGED_MODES[mode]
-    n_run = depth if mode == "fixed" else U
-    if mode == "fixed" and not 1 <= (depth or 0) <= U:
-        raise UserError(f"--depth={depth} must be in 1..{U}")
-    sampler = sampler or (lambda logits: int(logits.argmax()))
-    max_len = len(ids) + max_new_tokens
-    pool = pool or PagePool.for_model(model, max_len * U)
-    seq = RaggedSeq(pool, U, max_len)
-    device = model.lm_head.weight.device
-    try:
-        n = len(ids)
-        if rule["prompt"] == "ragged":
-            taus, full = prompt_thresholds(n, thr, prefill_thr, prefill_schedule, prefix_full), False
-        elif rule["prompt"] == "collapse":
-            taus, full = prompt_thresholds(n, thr, prefill_thr, prefill_schedule, prefix_full), True
-        elif rule["prompt"] == "fixed":
-            taus, full = FULL, False
-        else:
-            taus, full = (thr if mode == "ouro" else FULL), True
-        exits, states = run_chunk(model, seq, torch.tensor(ids, device=device), taus, full, n_run)
-        exits = exits.cpu()
-        _keep(seq, torch.arange(n), exits, rule["keep_prompt"], U)
-        prompt_exits, decode_exits = exits.tolist(), []
-        new = [sampler(model.lm_head(states[-1]))]
-        dec_tau = FULL if mode == "fixed" else thr
-        for _ in range(max_new_tokens - 1):
-            if new[-1] in stop:
-                break
-            e, st = decode_token(model, seq, new[-1], dec_tau, rule["decode_full"], n_run)
-            _keep(seq, torch.tensor([seq.n - 1]), e, rule["keep_decode"], U)
-            decode_exits.append(int(e[0]))
-            new.append(sampler(model.lm_head(st[-1])))
-        kv = dict(seq.stats(), peak=pool.peak)
-    finally:
-        seq.release()
-    return {"tokens": new, "exits": prompt_exits[-1:] + decode_exits, "prompt_exits": prompt_exits,
-            "decode_exits": decode_exits, "kv": kv}
-
-
-def _keep(seq, pos, exits, keep, U):
-    """Table 17 baselines: after a chunk, keep one depth per token for every later read."""
-    if keep == "last":
-        seq.collapse(pos, torch.full_like(exits, U - 1))
-    elif keep == "exit":
-        seq.collapse(pos, exits - 1)
 
 
 def exit_stats(exits, U):

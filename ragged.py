@@ -4,11 +4,11 @@ KV caches for the looped model.
 DenseLanes is Ouro's own layout and our baseline: one K/V lane per (loop, layer), so every token
 must run every loop to fill every lane (the cache problem P1 of the paper, Eq. 5-6).
 
-Ragged KV (App. A.1): a PagePool of physical pages (one token's K/V at one depth, all layers), a
+Ragged KV (App. A.1): a PagePool of physical pages (one token's K/V at one depth, all layers) and a
 RaggedSeq per request whose logical table A_d[i] = P_{i,min(d,e_i)} aliases deeper depths to the
-terminal page (Eq. 11), and PagedView, the attention hook that writes fresh pages and reads
-through the table. Physical rows are exactly Σ e_i. The Table 17 baselines reuse the same tables
-(RaggedSeq.collapse keeps one depth per token).
+terminal page (Eq. 11). Physical rows are exactly Σ e_i. The engine in serve_depthbatch.py writes
+fresh pages and reads through the tables (kernels.paged_attention). The Table 17 baselines reuse
+the same tables (RaggedSeq.collapse keeps one depth per token).
 """
 import torch
 
@@ -180,26 +180,3 @@ class RaggedSeq:
         real = t[r].tolist()
         assert len(set(real)) == len(real), "a page owned twice"
         assert sum(o is self for o in self.pool.owner) == len(real), "a leaked page"
-
-
-class PagedView:
-    """The attention hook for one block application at 0-based depth d over a paged sequence
-    (torch reference: gather + SDPA). Active tokens at positions `pos` write their fresh pages,
-    then every query reads keys 0..its own position through the table column of depth d, so token
-    j is read at depth min(d, e_j) (Eq. 7) with no copy."""
-
-    def __init__(self, seq, d, pos, pages):
-        seq.write_pages(pos, d, pages)                          # writes never go through an alias
-        self.seq, self.d, self.pos, self.pages = seq, d, pos, pages
-        self.n_keys = int(pos.max()) + 1
-        self.ids = seq.table[:self.n_keys, d]
-        self.mask = torch.arange(self.n_keys)[None, :] <= pos[:, None]
-
-    def layer_kv(self, layer, k, v):
-        pool = self.seq.pool
-        pool.writes += len(self.pages)
-        pool.k[layer, self.pages] = k[0].transpose(0, 1)
-        pool.v[layer, self.pages] = v[0].transpose(0, 1)
-        keys = pool.k[layer, self.ids].transpose(0, 1)[None]   # (1, Hkv, n_keys, D)
-        values = pool.v[layer, self.ids].transpose(0, 1)[None]
-        return keys, values, self.mask.to(k.device)

@@ -16,8 +16,9 @@ Modes
                 Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
   last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
 With no --mode: `dense_ragged` when --thr is given (the paper's safe choice), else `fixed` at U.
-Every mode runs on the paged KV pool, so their page accounting is comparable (model.generate keeps
-Ouro's own dense-lane layout as the reference and the benchmark baseline).
+Every mode runs through the depth-batching engine of serve_depthbatch.py on one paged KV pool, so
+their page accounting is comparable; --num_samples become concurrent requests of one batch
+(model.generate keeps Ouro's own dense-lane layout as the reference and the benchmark baseline).
 Sampling defaults follow the paper: temperature 1.0, top-p 0.7, top-k off.
 """
 import json
@@ -29,9 +30,9 @@ import numpy as np
 import torch
 
 from configurator import device_rule, parse, run_cli
-from model import UserError, exit_stats, generate_paged, load_checkpoint, resolve_device, sample_token
+from model import UserError, exit_stats, load_checkpoint, resolve_device
 from prepare_data import load_tokenizer
-from ragged import PagePool, PoolExhausted
+from serve_depthbatch import Engine, Request
 
 
 def _has(module):
@@ -55,7 +56,7 @@ DEFAULTS = dict(
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
-    kv_pages=0,            # size of the KV page pool (0: enough for every token at every depth)
+    kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
     device="cpu",          # where to run (auto: CUDA when there is one)
@@ -128,16 +129,17 @@ def prompt_ids(c, meta, encode):
         raise UserError(f"--prompt: {e}")
 
 
-def summarize(r, U):
-    """The JSON record of one generation: exits, average depths, KV rows, block evaluations, and the
-    exit statistics of the decode positions (the paper's convention; in Dense-Ragged the prompt is
-    forced to depth U) with those of the prompt beside them under "prefill"."""
-    pe, de = r["prompt_exits"], r["decode_exits"]
+def summarize(r, U, peak):
+    """The JSON record of one generation (a finished engine Request): exits, average depths, KV rows,
+    block evaluations, and the exit statistics of the decode positions (the paper's convention; in
+    Dense-Ragged the prompt is forced to depth U) with those of the prompt beside them under "prefill"."""
+    pe, de = r.prompt_exits, r.decode_exits
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
-    return {"tokens": r["tokens"], "exits": r["exits"], "prompt_exits": pe, "decode_exits": de,
+    return {"tokens": r.tokens, "exits": r.token_exits, "prompt_exits": pe, "decode_exits": de,
             "avg_depth": {"prefill": mean(pe), "decode": mean(de), "overall": mean(pe + de)},
-            "kv_rows": {k: r["kv"][k] for k in ("physical", "dense", "logical", "peak")},
-            "block_evals": r["kv"]["block_evals"], **exit_stats(de, U), "prefill": exit_stats(pe, U)}
+            "kv_rows": {"physical": r.kv["physical"], "dense": r.kv["dense"], "logical": r.kv["logical"], "peak": peak},
+            "block_evals": r.kv["block_evals"], **exit_stats(de, U), "prefill": exit_stats(pe, U),
+            "finish_reason": r.finish_reason}
 
 
 COLORS = {1: "\033[32m", 2: "\033[36m", 3: "\033[33m", 4: "\033[31m"}  # green, cyan, yellow, red
@@ -194,35 +196,47 @@ def main(argv):
               f"length {model.config.block_size}", file=sys.stderr)
         c["max_new_tokens"] = room
 
-    gen = torch.Generator().manual_seed(c["seed"])
     random.seed(c["seed"])
     np.random.seed(c["seed"])
     torch.manual_seed(c["seed"])
-
-    def sampler(logits):
-        return sample_token(logits, c["temperature"], c["top_k"], c["top_p"], gen)
-
+    # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
+    # sample s draws with its own generator seeded seed + s, whatever else is in the batch.
+    n_new = c["max_new_tokens"]
+    pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
+    engine = Engine(model, pages, max_batch=c["num_samples"])
+    reqs = [Request(ids, n_new, mode, thr, depth if mode == "fixed" else 0, c["temperature"], c["top_p"], c["top_k"],
+                    c["seed"] + s, (IM_END,) if c["chat"] else (), c["prefill_thr"], c["prefill_schedule"],
+                    c["prefix_full"]) for s in range(c["num_samples"])]
+    try:
+        for r in reqs:
+            engine.add(r)
+    except UserError as e:
+        raise UserError(f"--kv_pages={pages}: {e}" if c["kv_pages"] else str(e))
+    from tqdm import tqdm
+    with tqdm(total=len(reqs) * n_new, desc="sample", unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
+        while engine.busy():
+            bar.update(len(engine.step()))
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    if failed:
+        raise UserError(f"--kv_pages={pages} is too small for this request in mode {mode}: {failed[0].error}")
     samples = []
-    for s in range(c["num_samples"]):
-        pool = PagePool.for_model(model, c["kv_pages"]) if c["kv_pages"] else None
-        try:
-            r = generate_paged(model, ids, c["max_new_tokens"], mode, thr, depth, sampler, c["prefill_thr"],
-                               c["prefill_schedule"], c["prefix_full"], pool, stop={IM_END} if c["chat"] else ())
-        except PoolExhausted as e:
-            raise UserError(f"--kv_pages={c['kv_pages']} is too small for this request in mode {mode}: {e}")
-        rec = summarize(r, U)
-        rec["text"] = decode(r["tokens"]) if decode else None
+    for s, r in enumerate(reqs):
+        rec = summarize(r, U, engine.pool.peak)
+        rec["text"] = decode(r.tokens) if decode else None
         samples.append(rec)
         if c["show_exits"]:
-            print(show_exits(r["tokens"], r["exits"], decode, U, (decode(ids) if decode else str(ids))))
+            print(show_exits(r.tokens, r.token_exits, decode, U, (decode(ids) if decode else str(ids))))
         elif not c["json"]:
-            print((decode(ids) if decode else "") + (rec["text"] if decode else str(r["tokens"])))
+            print((decode(ids) if decode else "") + (rec["text"] if decode else str(r.tokens)))
             print("-" * 40)
         a, kv = rec["avg_depth"], rec["kv_rows"]
         how = f"mode={mode}" + (f" depth={depth}" if mode == "fixed" else f" thr={thr}")
         print(f"sample {s}: {how} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
               f"overall {a['overall']:.2f} of U={U}; KV rows {kv['physical']}/{kv['dense']} "
               f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}", file=sys.stderr)
+    if len(reqs) > 1:
+        print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the block, "
+              f"peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)
     if c["json"]:
         print(json.dumps({"mode": mode, "thr": None if mode == "fixed" else thr, "depth": depth if mode == "fixed" else None,
                           "n_loops": U, "prompt_tokens": ids, "samples": samples}))

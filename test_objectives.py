@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import prepare_data
 import train
-from model import exit_log_pdf, forward_counterfactual, forward_ragged
+from model import attention, exit_log_pdf, forward_counterfactual, forward_ragged
 from test_model import random_model
 from test_train import TINY, read_log
 
@@ -28,11 +28,11 @@ def brute_ragged_states(model, ids, exits):
         cos, sin = model.rope(torch.tensor([i]), h.dtype)
         for d in range(exits[i]):
             for l in range(L):
-                def hook(k, v, i=i, l=l, d=d):
+                def hook(q, k, v, i=i, l=l, d=d):
                     kv_store[(i, l, d)] = (k, v)
                     ks = [kv_store[(j, l, min(d, exits[j] - 1))][0] for j in range(i)] + [k]
                     vs = [kv_store[(j, l, min(d, exits[j] - 1))][1] for j in range(i)] + [v]
-                    return torch.cat(ks, 2), torch.cat(vs, 2), torch.ones(1, i + 1, dtype=torch.bool)
+                    return attention(q, torch.cat(ks, 2), torch.cat(vs, 2), torch.ones(1, i + 1, dtype=torch.bool))
                 h = model.layers[l](h, cos, sin, hook)
             hn, _, h = model.exit_heads(h)
         states.append(hn[0, 0])
@@ -100,8 +100,8 @@ def _check_counterfactual(model):
         for d in range(U):
             for l in range(L):
                 ck, cv = history[d * L + l]
-                h = model.layers[l](h, cos, sin, lambda k, v: (
-                    torch.cat([ck[:, :, :i], k], 2), torch.cat([cv[:, :, :i], v], 2),
+                h = model.layers[l](h, cos, sin, lambda q, k, v: attention(
+                    q, torch.cat([ck[:, :, :i], k], 2), torch.cat([cv[:, :, :i], v], 2),
                     torch.ones(1, i + 1, dtype=torch.bool)))
             hn, gate, h = model.exit_heads(h)
             ce = F.cross_entropy(model.lm_head(hn[0]), y[0, i:i + 1])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sample
-from model import (GPTConfig, LoopedLM, UserError, export_ouro, forward_ragged, generate_paged,
-                   load_checkpoint)
+from model import GPTConfig, LoopedLM, UserError, export_ouro, forward_ragged, load_checkpoint
+from serve_depthbatch import Engine, Request
 
 CFG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
            intermediate_size=48, rope_theta=1e6, rms_norm_eps=1e-6, total_ut_steps=4,
@@ -128,17 +128,16 @@ def test_bf16_is_kept_and_ragged_modes_run(tmp_path):
     model64, _ = load_checkpoint(folder, dtype=torch.float64)
     ids = torch.randint(0, 50, (14,)).tolist()
     for mode in ("dense_ragged", "ete_ragged"):
-        r = generate_paged(model64, ids, 12, mode, 0.5)
-        s_e = sum(r["prompt_exits"]) + sum(r["decode_exits"])
-        assert r["kv"]["physical"] == r["kv"]["block_evals"] == s_e
-        full = ids + r["tokens"][:-1]
+        r = Engine(model64, 500).run([Request(ids, 12, mode, 0.5)])[0]
+        assert r.kv["physical"] == r.kv["block_evals"] == sum(r.exits)
+        full = ids + r.tokens[:-1]
         taus = torch.full((1, len(full)), 0.5, dtype=torch.float64)
         if mode == "dense_ragged":
             taus[0, :len(ids)] = float("inf")
         o = forward_ragged(model64, torch.tensor([full]), taus=taus)
-        assert o["exits"][0].tolist() == r["prompt_exits"] + r["decode_exits"]
-    r = generate_paged(model, ids, 6, "ete_ragged", 0.5)   # and in bf16 as stored
-    assert len(r["tokens"]) == 6
+        assert o["exits"][0].tolist() == r.exits
+    r = Engine(model, 500).run([Request(ids, 6, "ete_ragged", 0.5)])[0]   # and in bf16 as stored
+    assert len(r.tokens) == 6 and r.finish_reason == "length"
 
 
 def test_strict_loading_errors(tmp_path, monkeypatch):
