@@ -274,4 +274,4 @@ def test_step_scope_global_kl_gradient_equals_single_batch_eq10(tmp_path):
                                 nprocs=2)
     two = torch.load(tmp_path / "g.pt", weights_only=True)
     assert torch.allclose(two["grad"], ref, atol=1e-12, rtol=1e-9)
-    assert abs(two["loss"] - float(loss)) < 1e-10 and abs(two["kl"] - reg.item()) < 1e-12
+    assert abs(two["loss"] - loss.item()) < 1e-10 and abs(two["kl"] - reg.item()) < 1e-12

@@ -122,6 +122,19 @@ def test_threshold_extremes_reproduce_fixed_depths():
     assert generate(model, ids, 12, "fixed", depth=U)[0] == top.tokens
 
 
+def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not():
+    """While requests wait, every continuous pass runs a depth of every one of the B requests in flight
+    (passes = bound); the nested runner idles the rows that exited until its whole wave has."""
+    model = varied_model()
+    work = [(prompt(random.randint(4, 12)), random.randint(8, 20)) for _ in range(16)]
+    ratio = {}
+    for scheduler in ("continuous", "nested"):
+        e = Engine(model, 5000, max_batch=4, scheduler=scheduler)
+        e.run([Request(p, o, "ete_ragged", 0.4) for p, o in work])
+        ratio[scheduler] = e.stats["steady_passes"] / (e.stats["steady_slots"] / 4)
+    assert ratio["continuous"] == 1.0 and ratio["nested"] > 1.2
+
+
 def test_fixed_scheduler_runs_every_token_all_loops():
     model = varied_model()
     reqs = [Request(prompt(6 + i), 8, "ete_ragged", 0.3) for i in range(4)]
