@@ -258,6 +258,10 @@ class Engine:
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
         return g
 
+    def _keeps(self, r):
+        """Table 17 baselines: their prompt runs whole and their tokens one at a time, as defined."""
+        return MODES[r.mode]["prompt"][2] is not None or MODES[r.mode]["decode"][2] is not None
+
     def _runnable(self, r):
         """Positions r must run: every known token but a final sampled one (it is never run)."""
         return len(r.prompt) + len(r.tokens) - (1 if r.ending else 0)
@@ -267,8 +271,7 @@ class Engine:
         n, start, avail = len(r.prompt), r.done, self._runnable(r)
         if start >= avail:
             return None
-        keeps = MODES[r.mode]["prompt"][2] or MODES[r.mode]["decode"][2]
-        if keeps:   # Table 17 baselines: the prompt whole, then one token at a time, as they were defined
+        if self._keeps(r):
             return n if start < n else start + 1
         if start == avail - 1:
             return avail                    # one decode token: always runs
@@ -288,10 +291,9 @@ class Engine:
                 end = self._group_end(r, self.max_rows - rows)
                 if end is None:
                     continue
-                size = end - r.done
-                if size > 1 and size * self.n_run(r) > free:   # a chunk starts only when its pages are free
-                    end = r.done + max(free // self.n_run(r), 0)
-                    if end <= r.done:
+                if end - r.done > 1 and (end - r.done) * self.n_run(r) > free:   # a chunk waits for its pages,
+                    end = r.done + max(free // self.n_run(r), 0)                 # or starts smaller
+                    if end <= r.done or self._keeps(r):
                         continue
                 r.group = self._new_group(r, end)
                 rows += end - r.done
@@ -302,10 +304,11 @@ class Engine:
             end = self._group_end(r, self.max_rows - rows)
             if end is None:
                 break
+            if r.exits and self.running and free < sum(r.exits) + self.n_run(r):
+                break   # a preempted request returns when its replay and one more token fit: no thrashing
             if (end - r.done) * self.n_run(r) > free:
-                end = r.done + free // self.n_run(r)
-                keeps = MODES[r.mode]["prompt"][2] or MODES[r.mode]["decode"][2]
-                if end <= r.done or keeps:
+                end = r.done + max(free // self.n_run(r), 0)
+                if end <= r.done or self._keeps(r):
                     break
             self.waiting.popleft()
             r.seq = RaggedSeq(self.pool, self.U, len(r.prompt) + r.max_tokens)
@@ -542,7 +545,7 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
                 decode_bound=s["steady_decode_rows"] / batch,
                 passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, kv_physical=kv_physical,
                 kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits, peak_pages=e.pool.peak,
-                max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens)
+                max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens, row_depths=s["rows"])
 
 
 def fastest(records):
@@ -581,6 +584,7 @@ def bench(c):
         best = {k: fastest(v) for k, v in tries.items()}
         for r in best.values():
             r["ratio_vs_fixed"] = r["tok_s"] / best["fixed", "fixed"]["tok_s"]
+            r["work_ratio"] = best["fixed", "fixed"]["row_depths"] / r["row_depths"]   # prefill rows included
             runs.append(r)
     bar.close()
     # capacity: one pool of 40% of what fixed@U needs for 32 requests, the whole workload at once
@@ -600,23 +604,23 @@ def bench(c):
 
 def print_bench(runs, capacity, pages, U):
     err = sys.stderr
-    print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'tok/s':>8}{'x fixed':>8}{'ideal':>7}{'Ē dec':>7}"
+    print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'tok/s':>8}{'x fixed':>8}{'ideal':>7}{'work':>6}{'Ē dec':>7}"
           f"{'passes':>8}{'bound':>8}{'ratio':>7}{'KV phys/dense':>16}{'peak':>6}", file=err)
     for r in runs:
         ratio = r["passes"] / r["lower_bound"] if r["lower_bound"] else float("nan")
         print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['tok_s']:>8.1f}{r['ratio_vs_fixed']:>8.2f}"
-              f"{r['ideal_ratio']:>7.2f}{r['avg_decode_depth']:>7.2f}{r['passes']:>8}{r['lower_bound']:>8.1f}"
-              f"{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}", file=err)
+              f"{r['ideal_ratio']:>7.2f}{r['work_ratio']:>6.2f}{r['avg_decode_depth']:>7.2f}{r['passes']:>8}"
+              f"{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}", file=err)
     print("tok/s, passes and bound: while requests were waiting (every pass could be full: a loaded server), fastest of "
           "the repeats. bound = the work-conserving bound: depths run by requests (a prompt chunk or a decode token "
           "each: one row of the batch) / batch. Targets for continuous: ratio <= 1.05, x fixed >= 0.9 x ideal "
-          "(ideal = U/Ē)", file=err)
-    print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for 32 requests), every request "
-          "submitted at once, whole run", file=err)
+          "(ideal = U/Ē); work = row-depths of fixed / of this run, prefill included", file=err)
+    print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
+          "request submitted at once, whole run", file=err)
     print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}{'peak':>6}",
           file=err)
     for r in capacity:
-        print(f"{r['scheduler']:<11}{r['mode']:<13}{r['requests_s']:>8.2f}{r['tok_s']:>8.1f}{r['max_in_flight']:>14}"
+        print(f"{r['scheduler']:<11}{r['mode']:<13}{r['requests_s']:>8.2f}{r['tok_s_total']:>8.1f}{r['max_in_flight']:>14}"
               f"{r['preemptions']:>12}{r['peak_pages']:>6}", file=err)
 
 
