@@ -490,7 +490,7 @@ def bench_model(seed=0):
     """A random L=4, d=256 model whose gate spreads the exits (decode Ē about 2.5 at τ 0.5)."""
     from model import GPTConfig, LoopedLM
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=256, block_size=1100, n_layer=4, n_head=4, n_kv_head=4, n_embd=256, ffn_hidden=704,
+    cfg = GPTConfig(vocab_size=256, block_size=2048, n_layer=4, n_head=4, n_kv_head=4, n_embd=256, ffn_hidden=704,
                     branch_norm_init=1.0)
     model = LoopedLM(cfg).eval()
     with torch.no_grad():

@@ -11,6 +11,7 @@ import configurator
 import export_ouro
 import prepare_data
 import sample
+import serve_depthbatch
 import train
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
@@ -81,6 +82,11 @@ CASES = [
     (sample, ["--thr=0.5", "--prefix_full=2"], "prefix_full"), (sample, ["--mode=fixed", "--thr=0.5"], "thr"),
     (sample, ["--dtype=int8"], "dtype"), (sample, ["--max_new_tokens=0"], "max_new_tokens"),
     (sample, ["--prompt_ids=999"], "prompt_ids"),
+    (serve_depthbatch, ["--port=70000"], "port"), (serve_depthbatch, ["--scheduler=fifo"], "scheduler"),
+    (serve_depthbatch, ["--attn=cuda_magic"], "attn"), (serve_depthbatch, ["--max_batch=0"], "max_batch"),
+    (serve_depthbatch, ["--kv_pages=-1"], "kv_pages"), (serve_depthbatch, ["--bench", "--thr=2"], "thr"),
+    (serve_depthbatch, ["--bench", "--batches=a,b"], "batches"), (serve_depthbatch, ["--ckpt=nowhere"], "ckpt"),
+    (serve_depthbatch, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (serve_depthbatch, ["--device=cuda"], "device"),
 ]
 
 
@@ -101,10 +107,11 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(sandbox, monkeypatch, 
 
 
 def test_at_least_forty_cases():
-    assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample}
+    assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample,
+                                                              serve_depthbatch}
 
 
-@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro])
+@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     with pytest.raises(SystemExit) as e:
