@@ -3,7 +3,7 @@ Attention over ragged page tables: many rows, each one query reading its own lis
 
 In the Ragged-KV cache (ragged.py) a row (one token of one request at one depth d) reads the key of
 every earlier token j at depth min(d, e_j) (Eq. 7). Physically, deeper table entries are aliases of
-the terminal page (Eq. 11), so a row's keys are a list of page ids, some of them repeated across
+the terminal page (Eq. 11), so a row's keys are a list of page ids, some of them shared across
 rows and depths, which no contiguous-cache attention can read. The engine (serve_depthbatch.py)
 resolves each row's list through its request's table and calls
 
@@ -17,12 +17,32 @@ resolves each row's list through its request's table and calls
     returns   [R, Hq, D]
 
 Grouped-query attention when Hq is a multiple of Hkv (query head h reads K/V head h // (Hq/Hkv)).
-impl="torch" (gather + masked SDPA) is the reference every other implementation is checked against.
+Implementations, each checked against the first:
+  torch   gather + masked SDPA: the reference, any device
+  triton  flash-decoding on the GPU: one program per (row, K/V head, split) loads the page ids of its
+          span, gathers the K/V rows, runs an online softmax in fp32 for all query heads of its K/V
+          head, and writes a partial result that a second kernel reduces (split-K, for long contexts
+          and small batches); storage fp32, bf16 or fp16. On the CPU it runs under TRITON_INTERPRET=1
+          (float32 only: the interpreter computes bf16 arithmetic wrongly without error).
+  flex    FlexAttention compiled with torch.compile, for prefill and mixed batches: the rows are the
+          queries and the whole pool the keys, with a block mask built from the page tables (a page
+          is visible to a row iff it is in the row's list, which already encodes causality and the
+          depth min(d, e_j) of Eq. 7)
+  auto    the fastest that exists on the device: triton on CUDA when installed, else torch
 """
+import math
+import os
+
 import torch
 import torch.nn.functional as F
 
-IMPLS = ["torch"]
+try:  # an optional extra: the core imports without it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+IMPLS = ["auto", "torch", "triton", "flex"]
 
 
 def check_inputs(q, k_pages, v_pages, page_ids, lengths):
@@ -51,8 +71,176 @@ def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None):
     return y[:, :, 0]
 
 
+# ----------------------------------------------------------------------------- Triton (flash-decoding)
+
+if triton is not None:
+    @triton.jit
+    def _paged_attention_split(Q, K, V, IDS, LENS, O, LSE, scale, split_len,
+                               s_qr, s_qh, s_kp, s_kh, s_vp, s_vh, s_ir, s_or, s_oh, s_os, s_lr, s_lh,
+                               G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        """Program (row r, K/V head h, split s): keys [s * split_len, min((s+1) * split_len, length))
+        of row r, for the G query heads of K/V head h. Online softmax (running max m, sum l) in fp32."""
+        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        length = tl.load(LENS + r)
+        start = s * split_len
+        end = tl.minimum(start + split_len, length)
+        g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+        gm, dm = g < G, d < D
+        q = tl.load(Q + r * s_qr + (h * G + g)[:, None] * s_qh + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < end
+            page = tl.load(IDS + r * s_ir + n, mask=nm, other=0).to(tl.int64)    # never read past the length
+            k = tl.load(K + page[:, None] * s_kp + h * s_kh + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(nm[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + page[:, None] * s_vp + h * s_vh + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]          # an empty split writes zeros ...
+        heads = h * G + g
+        if SPLIT:
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))   # ... and weight zero
+            tl.store(O + r * s_or + heads[:, None] * s_oh + s * s_os + d[None, :], out, mask=gm[:, None] & dm[None, :])
+            tl.store(LSE + r * s_lr + heads * s_lh + s, lse, mask=gm)
+        else:
+            tl.store(O + r * s_or + heads[:, None] * s_oh + d[None, :], out.to(O.dtype.element_ty),
+                     mask=gm[:, None] & dm[None, :])
+
+    @triton.jit
+    def _reduce_splits(O, LSE, OUT, S, s_or, s_oh, s_os, s_lr, s_lh, s_xr, s_xh,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Program (row r, query head h): out = Σ_s exp(lse_s - M) o_s / Σ_s exp(lse_s - M)."""
+        r, h = tl.program_id(0), tl.program_id(1)
+        s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+        sm, dm = s < S, d < D
+        lse = tl.load(LSE + r * s_lr + h * s_lh + s, mask=sm, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))
+        o = tl.load(O + r * s_or + h * s_oh + s[:, None] * s_os + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+        tl.store(OUT + r * s_xr + h * s_xh + d, out.to(OUT.dtype.element_ty), mask=dm)
+
+
+def splits_for(programs, maxlen, block_n, target=264):
+    """Split the keys when there are too few (row, head) programs to fill the GPU (~2 per SM of an
+    H100/H200) and the context is long enough to share: flash-decoding's heuristic."""
+    if programs >= target or maxlen <= 4 * block_n:
+        return 1
+    return max(1, min(math.ceil(target / programs), math.ceil(maxlen / (4 * block_n)), 64))
+
+
+def paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale=None, num_splits=None, block_n=32,
+                           poison=False):
+    """The Triton implementation. num_splits: key splits per row (None: splits_for); poison: fill
+    the output and the split buffers with NaN first, so that anything left unwritten shows."""
+    if triton is None:
+        raise RuntimeError("impl='triton' needs the optional triton package (pip install triton)")
+    R, Hq, D = q.shape
+    Hkv = k_pages.shape[1]
+    G = Hq // Hkv
+    maxlen = page_ids.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
+        raise ValueError("paged_attention: k_pages and v_pages need a contiguous last dim")
+    q = q.contiguous()
+    ids = page_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    lens = lengths.to(device=q.device, dtype=torch.int32).contiguous()
+    S = splits_for(R * Hkv, maxlen, block_n) if num_splits is None else num_splits
+    split_len = block_n * math.ceil(maxlen / (S * block_n))     # whole blocks per split
+    S = max(1, math.ceil(maxlen / split_len))
+    fill = (lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype, device=q.device)) if poison else \
+        (lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=q.device))
+    out = fill(R, Hq, D, dtype=q.dtype)
+    BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
+    ieee = q.dtype == torch.float32
+    if S == 1:   # one split: the kernel writes the normalised output itself
+        o, lse = out, out
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (0, 0)
+    else:
+        o = fill(R, Hq, S, D, dtype=torch.float32)
+        lse = fill(R, Hq, S, dtype=torch.float32)
+        so = (o.stride(0), o.stride(1), o.stride(2))
+        sl = (lse.stride(0), lse.stride(1))
+    _paged_attention_split[(R, Hkv, S)](
+        q, k_pages, v_pages, ids, lens, o, lse, scale, split_len,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        ids.stride(0), *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT=S > 1, IEEE=ieee)
+    if S > 1:
+        _reduce_splits[(R, Hq)](o, lse, out, S, *so, *sl, out.stride(0), out.stride(1),
+                                D=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)))
+    return out
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+
+_flex = None
+
+
+def paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale=None):
+    """FlexAttention over the pool: query r may read page p iff p is in r's list (within its length).
+    A row's list never holds a page twice (one page per position at a given depth), so attention
+    over the set equals attention over the list."""
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    R, Hq, D = q.shape
+    P = k_pages.shape[0]
+    valid = torch.arange(page_ids.shape[1], device=q.device)[None, :] < lengths.to(q.device)[:, None]
+    rows = torch.arange(R, device=q.device)[:, None].expand_as(valid)
+    member = torch.zeros(R, P, dtype=torch.bool, device=q.device)
+    member[rows[valid], page_ids.to(q.device).long()[valid]] = True
+
+    def may_read(b, h, q_idx, kv_idx):
+        return member[q_idx, kv_idx]
+    block_mask = create_block_mask(may_read, None, None, R, P, device=q.device)
+    y = _flex(q.transpose(0, 1)[None], k_pages.transpose(0, 1)[None], v_pages.transpose(0, 1)[None],
+              block_mask=block_mask, scale=scale, enable_gqa=Hq != k_pages.shape[1])
+    return y[0].transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------- the call
+
+def resolve_impl(impl, device):
+    """'auto' -> the fastest that exists on `device`; an impl that cannot run there is refused."""
+    device = torch.device(device)
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    if impl == "triton":
+        if triton is None:
+            raise ValueError("--attn=triton needs the optional triton package (pip install triton)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"--attn=triton runs on CUDA devices (the model is on {device}); on the CPU only "
+                             "under TRITON_INTERPRET=1, in float32")
+    if impl not in IMPLS:
+        raise ValueError(f"--attn={impl!r}; allowed: {', '.join(IMPLS)}")
+    return impl
+
+
 def paged_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, impl="torch"):
     check_inputs(q, k_pages, v_pages, page_ids, lengths)
+    if impl == "auto":
+        impl = resolve_impl(impl, q.device)
     if impl == "torch":
         return paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale)
+    if impl == "triton":
+        return paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale)
+    if impl == "flex":
+        return paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale)
     raise ValueError(f"paged_attention: impl={impl!r}; available: {', '.join(IMPLS)}")

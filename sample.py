@@ -32,6 +32,7 @@ import torch
 from configurator import device_rule, parse, run_cli
 from model import UserError, exit_stats, load_checkpoint, resolve_device
 from prepare_data import load_tokenizer
+from kernels import IMPLS
 from serve_depthbatch import Engine, Request
 
 
@@ -56,6 +57,7 @@ DEFAULTS = dict(
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
+    attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
@@ -66,7 +68,7 @@ DEFAULTS = dict(
 MODES = ["fixed", "ouro", "dense_ragged", "ete_ragged", "last_kv", "shared_kv", "collapse_kv"]
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature=">= 0", top_k=">= 0", top_p="in (0, 1]",
              seed=">= 0", thr="in [0, 1]", mode=[""] + MODES, depth=">= 1", prefill_thr="in [0, 1]",
-             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule,
+             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
              dtype=["", "float32", "float64", "bfloat16"])
 
 
@@ -203,7 +205,7 @@ def main(argv):
     # sample s draws with its own generator seeded seed + s, whatever else is in the batch.
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
-    engine = Engine(model, pages, max_batch=c["num_samples"])
+    engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"])
     reqs = [Request(ids, n_new, mode, thr, depth if mode == "fixed" else 0, c["temperature"], c["top_p"], c["top_k"],
                     c["seed"] + s, (IM_END,) if c["chat"] else (), c["prefill_thr"], c["prefill_schedule"],
                     c["prefix_full"]) for s in range(c["num_samples"])]

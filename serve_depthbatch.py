@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configurator import device_rule, parse, run_cli
-from kernels import IMPLS, paged_attention
+from kernels import IMPLS, paged_attention, resolve_impl
 from model import FULL, UserError, at_least_fp32, exit_stats, load_checkpoint, prompt_thresholds, resolve_device, sample_token
 from ragged import PagePool, PoolExhausted, RaggedSeq
 
@@ -143,13 +143,15 @@ class Engine:
     """Continuous mixed-depth batching over one shared page pool. Call add() and step() from one
     thread (serve() runs them on an engine thread); Request.cancelled may be set from anywhere."""
 
-    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="torch"):
+    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto"):
         if scheduler not in SCHEDULERS:
             raise UserError(f"--scheduler={scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
-        if attn not in IMPLS:
-            raise UserError(f"--attn={attn!r}; available here: {', '.join(IMPLS)}")
         self.model, self.U = model, model.config.n_loops
         self.device = model.lm_head.weight.device
+        try:
+            attn = resolve_impl(attn, self.device)       # "auto": the fastest paged attention on this device
+        except ValueError as e:
+            raise UserError(str(e))
         self.pool = PagePool.for_model(model, kv_pages)
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.waiting, self.running, self.finished = deque(), [], []
@@ -924,7 +926,7 @@ DEFAULTS = dict(
     max_batch=32,          # most requests in flight at once
     max_rows=256,          # rows per pass that prefill chunks may fill next to the decode rows
     scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all U loops (fixed)
-    attn="torch",          # paged attention implementation (kernels.py)
+    attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline

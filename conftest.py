@@ -1,0 +1,8 @@
+"""Test-session setup: without a GPU, Triton kernels run in Triton's interpreter on the CPU
+(float32 only). Set before any test module imports kernels.py, since triton.jit reads it."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,126 @@
+"""kernels.paged_attention: the torch reference against a float64 loop; the Triton kernel (under
+TRITON_INTERPRET=1 on the CPU, float32) and the compiled FlexAttention path against the reference,
+on fresh random inputs every run; the engine with each implementation; the core without triton."""
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import paged_attention, paged_attention_flex, paged_attention_torch, paged_attention_triton
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def random_case(R, Hq, Hkv, D, maxlen, P=None, dtype=torch.float32, pad="minus_one"):
+    """Random rows: lengths 1..maxlen (the longest row exactly maxlen), pages drawn with repeats
+    (one page read at many positions and by many rows, as aliases are), and whatever lies past a
+    row's length: -1, or valid page ids that must not be read."""
+    P = P or max(8, maxlen // 2)
+    q = torch.randn(R, Hq, D, dtype=dtype)
+    k, v = torch.randn(P, Hkv, D, dtype=dtype), torch.randn(P, Hkv, D, dtype=dtype)
+    lengths = torch.randint(1, maxlen + 1, (R,))
+    lengths[0] = maxlen
+    ids = torch.randint(0, P, (R, maxlen), dtype=torch.int32)
+    ids[min(1, R - 1), :] = ids[min(1, R - 1), 0]                  # one page read at every position of a row
+    past = torch.arange(maxlen)[None, :] >= lengths[:, None]
+    ids[past] = -1 if pad == "minus_one" else torch.randint(0, P, (int(past.sum()),), dtype=torch.int32)
+    return q, k, v, ids, lengths
+
+
+def loop_reference(q, k, v, ids, lengths, scale=None):
+    """float64, one row and one head at a time, straight from the definition."""
+    R, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(R, Hq, D, dtype=torch.float64)
+    for r in range(R):
+        pages = ids[r, :int(lengths[r])].long()
+        for h in range(Hq):
+            keys, vals = k[pages, h // G].double(), v[pages, h // G].double()
+            w = torch.softmax(keys @ q[r, h].double() * scale, dim=0)
+            out[r, h] = w @ vals
+    return out
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen", [(5, 4, 4, 16, 40), (3, 8, 2, 32, 130), (4, 4, 1, 64, 7)])
+def test_torch_reference_equals_a_float64_loop(R, Hq, Hkv, D, maxlen):
+    for pad in ("minus_one", "valid_ids"):
+        q, k, v, ids, lengths = random_case(R, Hq, Hkv, D, maxlen, dtype=torch.float64, pad=pad)
+        scale = random.choice([None, 0.3])
+        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, scale), loop_reference(q, k, v, ids, lengths, scale),
+                              atol=1e-12, rtol=0)
+
+
+CASES = [  # R, Hq, Hkv (GQA 1 and 4), D (16..128), maxlen (1..a few hundred), splits (None: the heuristic)
+    (3, 4, 4, 16, 1, 1), (4, 4, 4, 16, 37, 1), (2, 8, 2, 32, 64, 3), (3, 4, 1, 64, 300, 4), (2, 16, 4, 128, 200, 1),
+    (2, 4, 4, 128, 257, 5), (6, 8, 8, 48, 90, None), (1, 4, 1, 80, 333, None), (9, 2, 2, 16, 20, 2),
+]
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen,splits", CASES)
+def test_triton_kernel_equals_the_reference(R, Hq, Hkv, D, maxlen, splits):
+    for pad in ("minus_one", "valid_ids"):
+        q, k, v, ids, lengths = random_case(R, Hq, Hkv, D, maxlen, pad=pad)
+        ref = paged_attention_torch(q, k, v, ids, lengths)
+        out = paged_attention_triton(q, k, v, ids, lengths, num_splits=splits, poison=True)  # NaN until written
+        assert not out.isnan().any()
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+
+
+def test_triton_splits_follow_the_heuristic_and_agree():
+    q, k, v, ids, lengths = random_case(2, 4, 2, 32, 400)
+    assert kernels.splits_for(2 * 2, 400, 32) > 1 and kernels.splits_for(512, 400, 32) == 1
+    one = paged_attention_triton(q, k, v, ids, lengths, num_splits=1, poison=True)
+    many = paged_attention_triton(q, k, v, ids, lengths, poison=True)         # several splits
+    assert torch.allclose(one, many, atol=2e-5, rtol=1e-4)
+
+
+def test_flex_attention_equals_the_reference_on_the_cpu():
+    q, k, v, ids, lengths = random_case(24, 8, 2, 32, 96, P=160)
+    # a row's list holds each page at most once (one page per position at one depth)
+    ids = torch.stack([torch.randperm(160)[:96].int() for _ in range(24)])
+    out = paged_attention_flex(q, k, v, ids, lengths)
+    assert torch.allclose(out, paged_attention_torch(q, k, v, ids, lengths), atol=2e-5, rtol=1e-4)
+
+
+def test_auto_is_torch_on_the_cpu_and_bad_impls_are_refused():
+    assert kernels.resolve_impl("auto", "cpu") == "torch"
+    with pytest.raises(ValueError, match="impl"):
+        paged_attention(*random_case(1, 2, 2, 16, 3), impl="cudnn")
+
+
+@pytest.mark.parametrize("attn", ["triton", "auto"])
+def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
+    from serve_depthbatch import Engine, Request
+    from test_ragged import prompt, varied_model
+    model = varied_model().float()
+    p1, p2 = prompt(9), prompt(5)
+    reqs = lambda: [Request(p1, 8, "ete_ragged", 0.4, keep_logits=True), Request(p2, 6, "dense_ragged", 0.3, keep_logits=True)]
+    a = Engine(model, 500, attn="torch").run(reqs())
+    b = Engine(model, 500, attn=attn).run(reqs())
+    for x, y in zip(a, b):
+        assert x.exits == y.exits and x.tokens == y.tokens
+        assert torch.allclose(torch.stack(x.logits), torch.stack(y.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_the_core_imports_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import kernels, model, ragged, serve_depthbatch, sample, train\n"
+            "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
+            "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "pip install triton" in r.stdout
+
+
+def test_bench_kernels_smoke_runs_here(capsys):
+    import json
+    import bench_kernels
+    bench_kernels.main(["--smoke"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["checks"] and all(c["ok"] for c in out["checks"])
