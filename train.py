@@ -40,6 +40,7 @@ log_interval = 10            # log a training record every this many iterations
 eval_iters = 10              # val batches per evaluation
 eval_only = False            # evaluate once, print the record as JSON on stdout, write nothing
 init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly where it stopped
+branch_from = ""             # a finished run (its out_dir or ckpt.pt): start from its weights, fresh optimizer and schedule
 stop_iter = -1               # stop (checkpoint written) at this iteration, to split a run into jobs
 # data
 dataset = "synthetic"        # a folder under data_dir made by prepare_data.py
@@ -405,6 +406,7 @@ def evaluate(model, val, labels, c, prior, ctx, device):
     U = model.config.n_loops
     thrs = eval_thresholds(c)
     fixed, pis, ragged, exits, diffs = [], [], {t: [] for t in thrs}, [], []
+    depth = {t: [] for t in thrs}
     for _ in range(c.eval_iters):
         starts = draw_starts(val, c, c.batch_size, g)
         x, y = get_batch(val, c, starts, device)
@@ -413,6 +415,7 @@ def evaluate(model, val, labels, c, prior, ctx, device):
             for t in thrs:
                 r = forward_ragged(model, x, y, taus=t)
                 ragged[t].append(float(r["loss"]))
+                depth[t].append(float(r["exits"].double().mean()))
                 if t == thrs[0]:
                     exits.append(r["exits"].cpu())
         fixed.append(out["losses"].float().reshape(-1, U).mean(0))
@@ -428,6 +431,7 @@ def evaluate(model, val, labels, c, prior, ctx, device):
     metrics = {
         "val_loss_fixed": [r(v) for v in torch.stack(fixed).mean(0)],
         "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
+        "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
         "avg_exit_depth": r(e.double().mean()),
         "exit_fractions": [r((e == d).double().mean()) for d in range(1, U + 1)],
         "jump_rates": [r(v) for v in jr],
@@ -496,6 +500,13 @@ def check_config(c):
         if not os.path.isfile(os.path.join(c.out_dir, "ckpt.pt")):
             raise UserError(f"--init_from=resume: no checkpoint {os.path.join(c.out_dir, 'ckpt.pt')!r} to resume "
                             "(check --out_dir)")
+        if c.branch_from:
+            raise UserError(f"--branch_from={c.branch_from}: a branch starts a new run; it cannot be resumed from "
+                            "--init_from=resume at the same time")
+    elif c.branch_from:
+        parent = c.branch_from if os.path.isdir(c.branch_from) else os.path.dirname(c.branch_from)
+        if os.path.realpath(parent or ".") == os.path.realpath(c.out_dir):
+            raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; the parent stays untouched")
     else:
         GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
     if c.stop_iter == 0:
@@ -552,6 +563,18 @@ def main(argv):
         iter_num = resumed_at = ckpt["iter_num"]
         if master:
             print(f"resuming from {ckpt_path} at iter {iter_num}; log.jsonl continues", file=sys.stderr)
+    elif c.branch_from:   # a branch-off (App. C): the parent's weights, then a run of its own
+        model, ckpt = load_checkpoint(c.branch_from, device, flag="--branch_from")
+        model.train()
+        for k in MODEL_KEYS:
+            setattr(c, k, ckpt["model_args"][k])
+        if model.config.vocab_size != meta["vocab_size"]:
+            raise UserError(f"--branch_from={c.branch_from}: its vocabulary ({model.config.vocab_size}) is not that of "
+                            f"--dataset={c.dataset} ({meta['vocab_size']})")
+        optimizer = make_optimizer(model, c, device)
+        iter_num = 0
+        if master:
+            print(f"branching from {c.branch_from} (iter {ckpt.get('iter_num')})", file=sys.stderr)
     else:
         cfg = GPTConfig(vocab_size=meta["vocab_size"], **{k: getattr(c, k) for k in MODEL_KEYS})
         model = LoopedLM(cfg).to(device)

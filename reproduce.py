@@ -1,0 +1,409 @@
+"""
+Reproduce the paper's findings at CPU scale: one grid of training runs, then RESULTS.md with the
+tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim.
+
+    python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
+    python reproduce.py --full --input=../shared/data/tinyshakespeare.txt   # the real figures: ~15 min per run
+
+The grid (fixed seeds; every run of one seed sees the same data in the same order):
+  - local vs global prior enforcement (Eq. 9 vs Eq. 10) x uniform, geometric and Poisson priors;
+    the local/global Poisson pair with --seeds seeds;
+  - ragged-aware branch-offs (direct, counterfactual, REINFORCE K=4; App. C) from the finished local
+    and global Poisson runs, each into its own folder (the parent stays untouched);
+  - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global Poisson;
+  - synthetic data (difficulty labels) for the whole grid, shakespeare_char for the local/global
+    Poisson pair (--input, a local copy of tiny shakespeare).
+Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
+--out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
+"""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+import prepare_data
+import train
+from configurator import parse, run_cli
+from model import UserError, forward_ragged, load_checkpoint
+
+DEFAULTS = dict(
+    quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
+    full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
+    out="results",         # where the runs, RESULTS.md and figures/ go
+    input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
+    seeds=2,               # seeds of the local/global Poisson pair (the rest of the grid: the first)
+    seed=1337,             # the first seed
+    only="",               # comma-separated run names: run just these (their parents too)
+    plots=True,            # draw figures/*.png (needs matplotlib)
+)
+RULES = dict(seeds=">= 1", seed=">= 0")
+THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
+
+# model and budget per size: tokens per run = max_iters x batch_size x block_size
+SIZES = {
+    "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
+                        "--batch_size=8", "--max_iters=30", "--eval_interval=15", "--eval_iters=2", "--warmup_iters=5",
+                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000),
+    "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
+                       "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000),
+}
+
+
+# ----------------------------------------------------------------------------- the grid
+
+def grid(c):
+    """Every run: name -> dict(data, args for train.py, parent)."""
+    seeds = [c["seed"] + i for i in range(c["seeds"])]
+    runs = {}
+    for scope in ("local", "global"):
+        for prior in ("uniform", "geometric", "poisson"):
+            for seed in (seeds if prior == "poisson" else seeds[:1]):
+                runs[f"syn-{scope}-{prior}-s{seed}"] = dict(data="synthetic", scope=scope, prior=prior, seed=seed,
+                                                            args=[f"--prior={prior}", f"--seed={seed}"]
+                                                            + (["--global_kl"] if scope == "global" else []))
+        for method, extra in (("direct", []), ("counterfactual", []), ("reinforce4", ["--reinforce_k=4"])):
+            ra = "reinforce" if method == "reinforce4" else method
+            runs[f"syn-{scope}-poisson-ra-{method}"] = dict(
+                data="synthetic", scope=scope, prior="poisson", seed=seeds[0], ra=method,
+                parent=f"syn-{scope}-poisson-s{seeds[0]}",
+                args=["--prior=poisson", f"--seed={seeds[0]}", "--ragged_aware", f"--ra_method={ra}"] + extra
+                + (["--global_kl"] if scope == "global" else []))
+        runs[f"shk-{scope}-poisson"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seeds[0],
+                                            args=["--prior=poisson", f"--seed={seeds[0]}"]
+                                            + (["--global_kl"] if scope == "global" else []))
+    runs["syn-global-poisson-flatbeta"] = dict(data="synthetic", scope="global", prior="poisson", seed=seeds[0],
+                                               beta=0.1, args=["--prior=poisson", f"--seed={seeds[0]}", "--global_kl",
+                                                               "--beta=0.1"])
+    return runs
+
+
+def prepare(c, size, data_dir):
+    """The datasets of the grid, once."""
+    if not os.path.isfile(os.path.join(data_dir, "synthetic", "meta.json")):
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=data_dir, size=SIZES[size]["synthetic_chars"]))
+    if not os.path.isfile(os.path.join(data_dir, "shakespeare", "meta.json")):
+        src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare", input=c["input"])
+        if not c["input"] and size == "quick":   # offline smoke test: a stand-in text of the same kind
+            stand_in = os.path.join(data_dir, "stand_in.txt")
+            os.makedirs(data_dir, exist_ok=True)
+            with open(stand_in, "w") as f:
+                f.write(("ROMEO:\nBut soft, what light through yonder window breaks?\n"
+                         "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\n") * 400)
+            src["input"] = stand_in
+        prepare_data.prepare(src)
+
+
+def run_one(name, spec, c, size, runs):
+    """Train one run (or resume it), then save its result.json. Returns the result."""
+    folder = os.path.join(c["out"], name)
+    result_path = os.path.join(folder, "result.json")
+    if os.path.isfile(result_path):
+        with open(result_path) as f:
+            return json.load(f)
+    budget = SIZES[size]
+    args = budget["base"] + spec["args"] + [f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}",
+                                            f"--dataset={spec['data']}", "--eval_thr=" + ",".join(map(str, THRS))]
+    if spec.get("parent"):
+        iters = budget["branch_iters"]
+        args += [f"--max_iters={iters}", f"--eval_interval={max(iters // 2, 1)}", "--warmup_iters=0",
+                 "--learning_rate=3e-4", "--min_lr=1e-4"]
+    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        args += ["--init_from=resume"]
+    elif spec.get("parent"):
+        args += [f"--branch_from={os.path.join(c['out'], spec['parent'])}"]
+    print(f"== {name}: python train.py {' '.join(args)}", file=sys.stderr)
+    train.main(args)
+    with open(os.path.join(folder, "log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    evals = [r for r in log if "val_loss_fixed" in r]
+    result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
+                  curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
+                                            "large_jump_rate", "exit_fractions")} for r in evals])
+    if spec["data"] == "synthetic":
+        result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", "synthetic"))
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+    return result
+
+
+@torch.no_grad()
+def exit_trace(folder, data, n=96, thr=0.5):
+    """Figure 12: the exit depth that predicted each token of a held-out synthetic stretch (the
+    position before it, ETE-Ragged at τ), with the token and its difficulty label."""
+    model, ckpt = load_checkpoint(folder)
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
+    labels = np.fromfile(os.path.join(data, "val_labels.bin"), dtype=np.uint8)
+    start = int(np.nonzero(labels[200:])[0][0]) + 200 - n // 3      # a stretch with hard tokens in it
+    ids = torch.tensor(val[start:start + n + 1].astype(np.int64))[None]
+    exits = forward_ragged(model, ids[:, :-1], taus=thr)["exits"][0].tolist()
+    chars = ckpt["meta"]["chars"]
+    return {"tokens": [chars[i] for i in ids[0, 1:].tolist()], "exits": exits,
+            "labels": labels[start + 1:start + n + 1].tolist(), "thr": thr}
+
+
+# ----------------------------------------------------------------------------- the claims
+
+def fixed_frontier(loss_fixed, depth):
+    """The fixed-depth loss at a fractional average depth, interpolated between whole depths."""
+    lo = min(max(int(math.floor(depth)), 1), len(loss_fixed))
+    hi = min(lo + 1, len(loss_fixed))
+    t = depth - lo
+    return loss_fixed[lo - 1] * (1 - t) + loss_fixed[hi - 1] * t
+
+
+def mean_spread(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return float(np.mean(values)), (float(np.min(values)), float(np.max(values)))
+
+
+def claims(results, seeds):
+    """Each claim of the paper with the numbers that test it and a verdict computed from them."""
+    R = {r["name"]: r for r in results}
+    out = []
+    # 1. the ragged frontier lies above the fixed depths at equal average depth (Figure 1)
+    rows = []
+    for r in results:
+        if r.get("parent") or r.get("beta"):
+            continue
+        f = r["final"]
+        for t in map(str, THRS):
+            d, loss = f["ragged_depth"][t], f["val_loss_ragged"][t]
+            rows.append(loss <= fixed_frontier(f["val_loss_fixed"], d))
+    out.append(dict(claim="ETE-Ragged beats fixed depths at equal average depth (Figure 1)",
+                    numbers=f"{sum(rows)} of {len(rows)} (run, τ) points lie at or below the interpolated fixed-depth "
+                            "frontier", holds=sum(rows) > len(rows) / 2))
+    # 2. global enforcement: many large jumps; local: almost none (paper, Poisson: 19.2% vs 0.2%)
+    jumps = {s: mean_spread([R.get(f"syn-{s}-poisson-s{x}", {}).get("final", {}).get("large_jump_rate") for x in seeds])
+             for s in ("local", "global")}
+    if jumps["local"][0] is not None and jumps["global"][0] is not None:
+        out.append(dict(claim="Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%)",
+                        numbers=f"large-jump rate, Poisson, synthetic, {len(seeds)} seed(s): global {pct(jumps['global'])}, "
+                                f"local {pct(jumps['local'])}",
+                        holds=jumps["global"][0] >= 3 * jumps["local"][0] + 0.02))
+    # 3. ragged-aware training brings the global model's ragged loss below its fixed@U loss
+    for m in ("direct", "counterfactual", "reinforce4"):
+        r = R.get(f"syn-global-poisson-ra-{m}")
+        if r:
+            f = r["final"]
+            out.append(dict(claim=f"Ragged-aware training ({m}) brings global's ragged loss below its fixed@U loss",
+                            numbers=f"ragged@0.5 {f['val_loss_ragged']['0.5']:.4f} vs fixed@U {f['val_loss_fixed'][-1]:.4f} "
+                                    f"(parent: {parent_gap(R, r)})",
+                            holds=f["val_loss_ragged"]["0.5"] < f["val_loss_fixed"][-1]))
+    # 4. a flat β from the start collapses towards depth-1 behaviour (Figure 7)
+    flat, sched = R.get("syn-global-poisson-flatbeta"), R.get(f"syn-global-poisson-s{seeds[0]}")
+    if flat and sched:
+        ff, fs = flat["final"], sched["final"]
+        out.append(dict(claim="A flat β = 0.1 from the start collapses towards depth 1 (Figure 7)",
+                        numbers=f"depth-1 fraction {ff['exit_fractions'][0]:.3f} vs {fs['exit_fractions'][0]:.3f} with the "
+                                f"App. B schedule; average depth {ff['avg_exit_depth']:.2f} vs {fs['avg_exit_depth']:.2f}",
+                        holds=ff["exit_fractions"][0] >= 0.5 and ff["avg_exit_depth"] < fs["avg_exit_depth"]))
+    # 5. exits follow difficulty (shown only qualitatively in the paper)
+    rho = {s: mean_spread([R.get(f"syn-{s}-poisson-s{x}", {}).get("final", {}).get("difficulty_spearman") for x in seeds])
+           for s in ("local", "global")}
+    if rho["global"][0] is not None and rho["local"][0] is not None:
+        out.append(dict(claim="Global exits follow the true difficulty more than local ones",
+                        numbers=f"Spearman(depth before a labelled token, its difficulty): global {num(rho['global'])}, "
+                                f"local {num(rho['local'])}", holds=rho["global"][0] > rho["local"][0]))
+    return out
+
+
+def parent_gap(R, r):
+    p = R.get(r.get("parent"), {}).get("final")
+    return f"{p['val_loss_ragged']['0.5']:.4f} vs {p['val_loss_fixed'][-1]:.4f}" if p else "n/a"
+
+
+def pct(ms):
+    m, (lo, hi) = ms
+    return f"{100 * m:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}%)" if hi > lo else f"{100 * m:.1f}%"
+
+
+def num(ms):
+    m, (lo, hi) = ms
+    return f"{m:.3f} ({lo:.3f}–{hi:.3f})" if hi > lo else f"{m:.3f}"
+
+
+# ----------------------------------------------------------------------------- RESULTS.md
+
+COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5/0.7", "depth@0.2/0.3/0.5/0.7",
+           "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4", "Spearman"]
+
+
+def table_rows(results):
+    rows = []
+    for r in results:
+        f = r["final"]
+        obj = f"{r['scope']} KL, {r['prior']}" + (f", RA {r['ra']}" if r.get("ra") else "") + \
+              (f", flat β={r['beta']}" if r.get("beta") else "")
+        fmt = lambda xs, p=3: " / ".join(f"{x:.{p}f}" for x in xs)
+        by = f.get("depth_by_difficulty")
+        rows.append([r["name"], r["data"], obj, str(r["seed"]), fmt(f["val_loss_fixed"]),
+                     fmt([f["val_loss_ragged"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)]),
+                     fmt([f["ragged_depth"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)], 2), f"{f['avg_exit_depth']:.2f}",
+                     fmt(f["exit_fractions"], 2), fmt(f["jump_rates"], 2), f"{100 * f['large_jump_rate']:.1f}%",
+                     f"{f['kl_global']:.4f}",
+                     fmt([by[str(k)] if by and by.get(str(k)) is not None else float("nan") for k in range(1, 5)], 2)
+                     if by else "–", f"{f['difficulty_spearman']:.3f}" if f.get("difficulty_spearman") is not None else "–"])
+    return rows
+
+
+def write_results(results, c, size, seeds, figures):
+    lines = [f"# Reproducing the paper at CPU scale ({size})", "",
+             f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
+             f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
+             f"objective); the ragged-aware branch-offs continue from the finished Poisson runs for "
+             f"{SIZES[size]['branch_iters']} steps. Losses are validation cross-entropies (nats/token), ragged ones "
+             "ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged at τ = 0.5.", "",
+             "## The paper's claims, checked", "", "| claim | numbers | holds here |", "|---|---|---|"]
+    for cl in claims(results, seeds):
+        lines.append(f"| {cl['claim']} | {cl['numbers']} | {'yes' if cl['holds'] else '**no**'} |")
+    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_notes.md")
+    if size == "full" and os.path.isfile(notes):   # the interpretation, written by a person after reading the runs
+        with open(notes) as f:
+            lines += ["", f.read().strip()]
+    lines += ["", "## Every run", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    if figures:
+        lines += ["", "## Figures", ""]
+        for name, caption in figures:
+            lines += [f"**{caption}**", "", f"![{caption}](figures/{name})", ""]
+    with open(os.path.join(c["out"], "RESULTS.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------- figures
+
+def draw(results, out, seeds):
+    """The PNG figures; returns [(file, caption)]."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    R = {r["name"]: r for r in results}
+    fig_dir = os.path.join(out, "figures")
+    os.makedirs(fig_dir, exist_ok=True)
+    made = []
+    s0 = seeds[0]
+    pair = [(R.get(f"syn-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
+    colors = {"local": "tab:blue", "global": "tab:red"}
+
+    def save(fig, name, caption):
+        fig.tight_layout()
+        fig.savefig(os.path.join(fig_dir, name), dpi=110)
+        plt.close(fig)
+        made.append((name, caption))
+
+    # Figure 1: loss vs average depth, fixed depths against ragged thresholds
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r, s in pair + [(R.get("syn-global-poisson-ra-direct"), "global + RA direct")]:
+        if not r:
+            continue
+        f, col = r["final"], colors.get(s, "tab:green")
+        U = len(f["val_loss_fixed"])
+        ax.plot(range(1, U + 1), f["val_loss_fixed"], "o--", color=col, alpha=0.6, label=f"{s}: fixed@k")
+        pts = sorted((f["ragged_depth"][str(t)], f["val_loss_ragged"][str(t)]) for t in THRS)
+        ax.plot(*zip(*pts), "s-", color=col, label=f"{s}: ETE-Ragged τ ∈ {{0.2..0.7}}")
+    ax.set(xlabel="average exit depth", ylabel="val loss (nats/token)", title="Poisson prior, synthetic")
+    ax.legend(fontsize=7)
+    save(fig, "frontier.png", "Loss against average depth: fixed depths and ragged thresholds (Figure 1)")
+
+    # Figure 4: exit fractions, local vs global, per prior
+    priors = ["uniform", "geometric", "poisson"]
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3), sharey=True)
+    for ax, prior in zip(axes, priors):
+        for j, s in enumerate(("local", "global")):
+            r = R.get(f"syn-{s}-{prior}-s{s0}")
+            if r:
+                fr = r["final"]["exit_fractions"]
+                ax.bar(np.arange(1, len(fr) + 1) + (j - 0.5) * 0.38, fr, 0.38, color=colors[s], label=s)
+        ax.set(title=prior, xlabel="exit depth")
+    axes[0].set_ylabel("fraction of tokens (τ = 0.5)")
+    axes[0].legend()
+    save(fig, "exit_fractions.png", "Exit-depth fractions, local vs global enforcement (Figure 4)")
+
+    # Figure 12: exit depth along a held-out synthetic stretch, hard tokens marked
+    traces = [(r["trace"], s) for r, s in pair if r and r.get("trace")]
+    if traces:
+        fig, axes = plt.subplots(len(traces), 1, figsize=(14, 2.4 * len(traces)), squeeze=False)
+        for ax, (tr, s) in zip(axes[:, 0], traces):
+            x = np.arange(len(tr["exits"]))
+            ax.step(x, tr["exits"], where="mid", color=colors[s])
+            hard = [i for i, l in enumerate(tr["labels"]) if l > 0]
+            ax.scatter(hard, [tr["exits"][i] for i in hard], color="black", zorder=3, s=18, label="hard token (label > 0)")
+            ax.set_xticks(x)
+            ax.set_xticklabels([t if t.strip() else "·" for t in tr["tokens"]], fontsize=6, family="monospace")
+            ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
+                   yticks=range(1, 5))
+            ax.legend(fontsize=7, loc="upper right")
+        save(fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)")
+
+    # Figure 5 (and 7): training curves
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for r, s in pair + [(R.get("syn-global-poisson-flatbeta"), "global, flat β=0.1")]:
+        if not r:
+            continue
+        col = colors.get(s, "tab:orange")
+        toks = [p["tokens"] for p in r["curve"]]
+        a1.plot(toks, [p["val_loss_fixed"][-1] for p in r["curve"]], "--", color=col, label=f"{s}: fixed@U")
+        a1.plot(toks, [p["val_loss_ragged"]["0.5"] for p in r["curve"]], "-", color=col, label=f"{s}: ragged@0.5")
+        a2.plot(toks, [p["avg_exit_depth"] for p in r["curve"]], "-", color=col, label=s)
+    a1.set(xlabel="tokens", ylabel="val loss")
+    a2.set(xlabel="tokens", ylabel="average exit depth (τ = 0.5)")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    save(fig, "training_curves.png", "Training curves: loss and average exit depth, Poisson prior, and a flat β (Figures 5, 7)")
+
+    # exits by difficulty, local vs global
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for j, (r, s) in enumerate(pair):
+        if r and r["final"].get("depth_by_difficulty"):
+            by = r["final"]["depth_by_difficulty"]
+            ys = [by[str(k)] if by.get(str(k)) is not None else np.nan for k in range(5)]
+            ax.bar(np.arange(5) + (j - 0.5) * 0.38, ys, 0.38, color=colors[s], label=s)
+    ax.set(xticks=range(5), xticklabels=["unlabelled", "1", "2", "3", "4"], xlabel="difficulty of the next token",
+           ylabel="mean exit depth (τ = 0.5)")
+    ax.legend()
+    save(fig, "depth_by_difficulty.png", "Mean exit depth before a token, by its difficulty, local vs global")
+    return made
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv):
+    c = parse(argv, DEFAULTS, RULES, __file__)
+    if c["quick"] == c["full"]:
+        raise UserError("give --quick (a smoke test of the grid) or --full (the real figures)")
+    size = "quick" if c["quick"] else "full"
+    if c["input"] and not os.path.isfile(c["input"]):
+        raise UserError(f"--input={c['input']}: no such file")
+    if c["plots"]:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
+    runs = grid(c)
+    wanted = [n for n in str(c["only"]).split(",") if n] or list(runs)
+    unknown = [n for n in wanted if n not in runs]
+    if unknown:
+        raise UserError(f"--only: unknown run {unknown[0]!r}; runs: {', '.join(runs)}")
+    order = [runs[n]["parent"] for n in wanted if runs[n].get("parent")] + wanted
+    os.makedirs(c["out"], exist_ok=True)
+    prepare(c, size, os.path.join(c["out"], "data"))
+    results, done = [], set()
+    for name in order:
+        if name not in done:
+            results.append(run_one(name, runs[name], c, size, runs))
+            done.add(name)
+    seeds = [c["seed"] + i for i in range(c["seeds"])]
+    figures = draw(results, c["out"], seeds) if c["plots"] else []
+    write_results(results, c, size, seeds, figures)
+    print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)", file=sys.stderr)
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main)
