@@ -10,6 +10,7 @@ import bench
 import configurator
 import export_ouro
 import prepare_data
+import reproduce
 import sample
 import serve_depthbatch
 import train
@@ -87,6 +88,8 @@ CASES = [
     (serve_depthbatch, ["--kv_pages=-1"], "kv_pages"), (serve_depthbatch, ["--bench", "--thr=2"], "thr"),
     (serve_depthbatch, ["--bench", "--batches=a,b"], "batches"), (serve_depthbatch, ["--ckpt=nowhere"], "ckpt"),
     (serve_depthbatch, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (serve_depthbatch, ["--device=cuda"], "device"),
+    (reproduce, [], "quick"), (reproduce, ["--quick", "--full"], "full"), (reproduce, ["--quick", "--seeds=0"], "seeds"),
+    (reproduce, ["--quick", "--input=missing.txt"], "input"), (reproduce, ["--quick", "--only=nope"], "only"),
 ]
 
 
@@ -108,10 +111,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(sandbox, monkeypatch, 
 
 def test_at_least_forty_cases():
     assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample,
-                                                              serve_depthbatch}
+                                                              serve_depthbatch, reproduce}
 
 
-@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch])
+@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch, reproduce])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,89 @@
+"""reproduce.py: the quick grid end to end (every column, every figure, resumable), and the claim
+checks, table and figures on a small hand-made results file."""
+import json
+import os
+
+import pytest
+
+import reproduce
+
+
+def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions=(0.4, 0.3, 0.2, 0.1), rho=0.3,
+             fixed=(2.0, 1.8, 1.7, 1.65), ragged=1.6, depth=2.0, **extra):
+    final = {"val_loss_fixed": list(fixed), "val_loss_ragged": {str(t): ragged for t in (0.5, 0.2, 0.3, 0.7)},
+             "ragged_depth": {str(t): depth for t in (0.5, 0.2, 0.3, 0.7)}, "avg_exit_depth": depth,
+             "exit_fractions": list(fractions), "jump_rates": [1 - jumps, 0.0, jumps, 0.0], "large_jump_rate": jumps,
+             "kl_global": 0.01, "depth_by_difficulty": {str(k): 1.0 + 0.5 * k for k in range(5)},
+             "difficulty_spearman": rho}
+    curve = [{"iter": i, "tokens": 100 * i, "val_loss_fixed": list(fixed), "val_loss_ragged": {"0.5": ragged},
+              "avg_exit_depth": depth, "large_jump_rate": jumps, "exit_fractions": list(fractions)} for i in (0, 5, 10)]
+    trace = {"tokens": list("x=3 a=x ; a? 3\n"), "exits": [1, 1, 2, 1, 1, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1],
+             "labels": [0] * 13 + [1, 0], "thr": 0.5}
+    return dict(name=name, data="synthetic", scope=scope, prior=prior, seed=seed, final=final, curve=curve, trace=trace,
+                **extra)
+
+
+def hand_made():
+    return [fake_run("syn-local-poisson-s1", "local", jumps=0.002, rho=0.05, fractions=(0.0, 0.1, 0.8, 0.1), depth=3.0),
+            fake_run("syn-local-poisson-s2", "local", seed=2, jumps=0.004, rho=0.07),
+            fake_run("syn-global-poisson-s1", jumps=0.19), fake_run("syn-global-poisson-s2", seed=2, jumps=0.21, rho=0.35),
+            fake_run("syn-global-poisson-ra-direct", ra="direct", parent="syn-global-poisson-s1", ragged=1.5),
+            fake_run("syn-global-poisson-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2),
+            fake_run("syn-global-uniform-s1", prior="uniform")]
+
+
+def test_fixed_frontier_interpolates_between_whole_depths():
+    assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 2.5) == 2.5
+    assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0 and reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
+
+
+def test_claims_are_computed_from_the_numbers():
+    cl = {c["claim"][:20]: c for c in reproduce.claims(hand_made(), [1, 2])}
+    jumps = next(c for c in cl.values() if "large jumps" in c["claim"])
+    assert jumps["holds"] and "global 20.0% (19.0–21.0%)" in jumps["numbers"] and "local 0.3% (0.2–0.4%)" in jumps["numbers"]
+    ra = next(c for c in cl.values() if "direct" in c["claim"])
+    assert ra["holds"] and "ragged@0.5 1.5000 vs fixed@U 1.6500" in ra["numbers"]
+    flat = next(c for c in cl.values() if "flat" in c["claim"])
+    assert flat["holds"] and "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
+    frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])
+    assert "of 20 (run, τ) points" in frontier["numbers"]   # 5 base runs x 4 thresholds; branches and flat β apart
+    rho = next(c for c in cl.values() if "difficulty" in c["claim"])
+    assert rho["holds"] and "global 0.325" in rho["numbers"]
+    # and a claim that does not hold says so
+    worse = hand_made()
+    worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
+    assert not next(c for c in reproduce.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"]
+
+
+def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
+    results = hand_made()
+    rows = reproduce.table_rows(results)
+    assert len(rows) == len(results) and all(len(r) == len(reproduce.COLUMNS) for r in rows)
+    assert rows[0][4] == "2.000 / 1.800 / 1.700 / 1.650" and rows[0][10] == "0.2%"
+    figures = reproduce.draw(results, str(tmp_path), [1, 2])
+    assert {f for f, _ in figures} == {"frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png",
+                                       "depth_by_difficulty.png"}
+    for f, _ in figures:
+        with open(tmp_path / "figures" / f, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    reproduce.write_results(results, {"out": str(tmp_path)}, "quick", [1, 2], figures)
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert "| " + " | ".join(reproduce.COLUMNS) + " |" in text and "![" in text and "| yes |" in text
+
+
+def test_quick_grid_end_to_end_and_resumable(tmp_path):
+    out = str(tmp_path / "r")
+    results = reproduce.main(["--quick", f"--out={out}"])
+    assert len(results) == 17
+    text = open(os.path.join(out, "RESULTS.md")).read()
+    header = "| " + " | ".join(reproduce.COLUMNS) + " |"
+    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") == 17
+    for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png", "depth_by_difficulty.png"):
+        assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
+    branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
+    assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 10
+    stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
+    reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
+    assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
+    with pytest.raises(Exception, match="--only"):
+        reproduce.main(["--quick", f"--out={out}", "--only=nope"])
