@@ -8,6 +8,7 @@ import pytest
 
 import bench
 import configurator
+import eval as eval_py
 import export_ouro
 import prepare_data
 import reproduce
@@ -114,7 +115,7 @@ def test_at_least_forty_cases():
                                                               serve_depthbatch, reproduce}
 
 
-@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch, reproduce])
+@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch, reproduce, eval_py])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     with pytest.raises(SystemExit) as e:

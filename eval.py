@@ -1,0 +1,617 @@
+"""
+Evaluate like the paper (App. D, E.1): log-likelihood and generation tasks, pass@k, and the
+compute-accuracy frontier over fixed depths and Ragged-KV thresholds, offline.
+
+    python eval.py --ckpt out/ --builtin synthetic --sweep --out eval-out/          # difficulty-graded suite
+    python eval.py --ckpt CKPT --task bbh.jsonl --modes fixed@4,dense_ragged@0.3 --n 4 --k 1,4 --shots 3 --out DIR
+    python eval.py --ckpt CKPT --lm_eval hellaswag,arc_challenge --modes fixed@4,ete_ragged@0.5 --out DIR
+
+Task files are JSONL, one item a line:
+    {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
+    {"type": "gen", "prompt": "...", "answer": "...", "cot": "... So the answer is X."}
+Models without a tokenizer take "context_ids" / "choices_ids" / "prompt_ids" (and "answer_ids")
+instead. Optional per item: "description" (the task's preamble, read from the first item),
+"extract" ("answer_is": strict 'the answer is ...', the default; "prefix": the completion starts
+with the answer, for models trained on raw text), "difficulty", "max_tokens".
+
+Multiple choice: the log-likelihood of each choice's tokens given the context, accuracy and
+length-normalised accuracy, in fixed@k and ETE-Ragged (the continuation scored with the exits it
+would take); Dense-Ragged is fixed@U here (the paper: a prefill is at full depth). Generation: n
+rollouts per item through the depth-batching engine (serve_depthbatch.py) with the paper's sampling
+(temperature 1.0, top-p 0.7) or greedy, strict answer extraction and exact match, unbiased pass@k
+with standard errors across items, and the average prefill / decode / overall depth of every run.
+Outputs in --out: results.json, records.jsonl (one line per item per mode; any figure can be
+recomputed from it) and frontier.png.
+"""
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import sys
+
+import numpy as np
+import torch
+
+from configurator import device_rule, parse, run_cli
+from kernels import IMPLS
+from model import UserError, exit_stats, forward_ragged, load_checkpoint, resolve_device, threshold_exit
+from serve_depthbatch import MODES as ENGINE_MODES, Engine, Request
+
+DEFAULTS = dict(
+    ckpt="out",            # the model: our checkpoint, or an Ouro folder
+    task="",               # task files (JSONL), comma-separated; --task may also be repeated
+    builtin="",            # "synthetic": held-out k-hop chains and digit sums of known difficulty
+    builtin_items=40,      # items per difficulty level and kind of the builtin suite
+    lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
+    lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
+    modes="",              # e.g. fixed@1,fixed@4,dense_ragged@0.3,ete_ragged@0.5 (default: fixed@U and the ragged modes at 0.5)
+    sweep=False,           # the frontier of App. E.1: fixed@1..U and every --thresholds for both ragged modes
+    thresholds="0.2,0.3,0.4,0.5,0.6,0.75",  # the sweep's thresholds
+    out="eval-out",        # results.json, records.jsonl, frontier.png
+    n=1,                   # rollouts per generation item
+    k="1",                 # pass@k for these k (each <= n)
+    shots=0,               # few-shot exemplars (the first items of each task; they are not scored)
+    chat=False,            # zero-shot ChatML with thinking (Ouro Thinking models), as App. D.2
+    max_tokens=256,        # generation cap
+    temperature=1.0,       # the paper's sampling: 1.0, top-p 0.7, top-k off; 0 = greedy
+    top_p=0.7,             # nucleus sampling
+    top_k=0,               # 0 = off
+    stop="\\nQ:",          # generation stops at this text (few-shot: the next question); empty: none
+    limit=0,               # at most this many scored items per task (0: all)
+    batch_size=16,         # sequences per log-likelihood forward
+    max_batch=32,          # requests in flight in the engine
+    kv_pages=0,            # the engine's pool (0: enough for max_batch full contexts at every depth)
+    attn="auto",           # paged attention (kernels.py)
+    device="cpu",          # where to run (auto: CUDA when there is one)
+    dtype="",              # weights dtype (default: as saved)
+    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+    seed=1234,             # seeds sampling and the builtin suite
+    plots=True,            # draw frontier.png (needs matplotlib)
+)
+RULES = dict(builtin=["", "synthetic"], builtin_items=">= 1", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+             max_tokens=">= 1", temperature=">= 0", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed=">= 0",
+             dtype=["", "float32", "float64", "bfloat16"],
+             k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
+             "expected comma-separated positive integers")
+
+
+# ----------------------------------------------------------------------------- modes
+
+def parse_modes(text, U):
+    """'fixed@2,ete_ragged@0.5' -> [(mode, thr, depth)] (thr None for fixed, depth None otherwise)."""
+    out = []
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        mode, _, arg = part.partition("@")
+        try:
+            value = float(arg)
+        except ValueError:
+            raise UserError(f"--modes: {part!r} is not mode@value (fixed@k, dense_ragged@τ, ete_ragged@τ, ouro@τ)")
+        if mode == "fixed":
+            if value != int(value) or not 1 <= value <= U:
+                raise UserError(f"--modes: {part!r}: fixed@k needs k in 1..{U}")
+            out.append(("fixed", None, int(value)))
+        elif mode in ("dense_ragged", "ete_ragged", "ouro"):
+            if not 0 <= value <= 1:
+                raise UserError(f"--modes: {part!r}: τ must be in [0, 1]")
+            out.append((mode, value, None))
+        else:
+            raise UserError(f"--modes: {part!r}: unknown mode {mode!r}; allowed: fixed, dense_ragged, ete_ragged, ouro")
+    return out
+
+
+def mode_name(mode, thr, depth):
+    return f"fixed@{depth}" if mode == "fixed" else f"{mode}@{thr:g}"
+
+
+# ----------------------------------------------------------------------------- tasks
+
+def load_task(path):
+    if not os.path.isfile(path):
+        raise UserError(f"--task={path}: no such file")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--task={path}: line {n} is not JSON ({e.msg})")
+            check_item(item, f"{path}:{n}")
+            items.append(item)
+    if not items:
+        raise UserError(f"--task={path}: no items")
+    return items
+
+
+def check_item(item, where):
+    kind = item.get("type") if isinstance(item, dict) else None
+    if kind == "mc":
+        texts = "context" in item and "choices" in item
+        ids = "context_ids" in item and "choices_ids" in item
+        n = len(item.get("choices") or item.get("choices_ids") or [])
+        if not (texts or ids) or not isinstance(item.get("answer"), int) or not 0 <= item["answer"] < n:
+            raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
+                            "answer index into the choices")
+    elif kind == "gen":
+        if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
+            raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
+        if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
+            raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
+    else:
+        raise UserError(f"--task {where}: type must be 'mc' or 'gen', not {kind!r}")
+
+
+def builtin_synthetic(per_level, seed):
+    """Held-out generation items from prepare_data's generators (another seed than the training
+    text): k-hop variable chains and digit sums, difficulty 1..4, scored by the completion's first
+    character (the models learn raw text, not a question format)."""
+    import prepare_data
+    rng = random.Random(seed + 10_000)
+    items, count = [], {}
+    while len(items) < 8 * per_level:
+        maker = rng.choice([prepare_data._chain, prepare_data._digit_sum])
+        (prompt, _), (answer, level) = maker(rng)
+        key = (maker.__name__, level)
+        if count.get(key, 0) >= per_level:
+            continue
+        count[key] = count.get(key, 0) + 1
+        items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
+                      "difficulty": level, "kind": "chain" if "chain" in maker.__name__ else "sum"})
+    return items
+
+
+# ----------------------------------------------------------------------------- prompts (App. D)
+
+def shot_text(item):
+    if item["type"] == "mc":
+        return item["context"] + item["choices"][item["answer"]]
+    answer = item.get("cot") or f"The answer is {item['answer']}."
+    return f"Q: {item['prompt']}\nA: {answer}"
+
+
+def gen_prompt_text(item, shots, chat):
+    """Non-thinking: the task's description, k chain-of-thought exemplars, then the question, no
+    chat template. Thinking (chat): zero-shot, as App. E.1's stored prompt."""
+    desc = item.get("description", "")
+    if chat:
+        return ("Question: " + (desc + "\n\n" if desc else "") + item["prompt"]
+                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is <answer>.")
+    head = (desc + "\n\n" if desc else "") + "".join(shot_text(s) + "\n\n" for s in shots)
+    if item.get("extract") == "prefix":
+        return head + item["prompt"]
+    return head + f"Q: {item['prompt']}\nA:"
+
+
+def chat_ids(text, encode):
+    """ChatML with a system turn and thinking on, as App. E.1 (Ouro Thinking)."""
+    from sample import IM_END, IM_START
+    return ([IM_START] + encode("system\nYou are a helpful assistant.") + [IM_END] + encode("\n")
+            + [IM_START] + encode("user\n" + text) + [IM_END] + encode("\n")
+            + [IM_START] + encode("assistant\n<think>\n"))
+
+
+# ----------------------------------------------------------------------------- scoring
+
+ANSWER_IS = re.compile(r"the answer is\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\s.])\.(?:\s|$))", re.IGNORECASE)
+
+
+def normalize(ans):
+    """Harmless formatting only: surrounding whitespace, trailing punctuation, quotes, bold, $."""
+    prev = None
+    while prev != ans:
+        prev, ans = ans, ans.strip().rstrip(".,;:!").strip("*`\"'$ ")
+    return ans
+
+
+def extract_answer(text):
+    """Strict extraction (App. E.1): the last 'the answer is ...' in the text, up to the end of its
+    sentence or line; None when there is no such phrase."""
+    found = ANSWER_IS.findall(text)
+    return normalize(found[-1]) if found else None
+
+
+def is_correct(item, completion_text, completion_ids):
+    if item.get("extract", "answer_is") == "prefix":
+        if "answer_ids" in item:
+            return completion_ids[:len(item["answer_ids"])] == item["answer_ids"], completion_ids[:len(item["answer_ids"])]
+        return completion_text.startswith(item["answer"]), completion_text[:len(item["answer"])]
+    ans = extract_answer(completion_text)
+    return ans is not None and ans == normalize(item["answer"]), ans
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_stderr(xs):
+    xs = np.asarray(xs, dtype=np.float64)
+    if len(xs) == 0:
+        return None, None
+    return float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
+
+
+@torch.no_grad()
+def continuation_logprobs(model, pairs, mode, thr, depth, batch_size, device):
+    """pairs [(context ids, continuation ids)] -> [(Σ log p(continuation | context), greedy?, exits
+    of the positions that predicted the continuation)], teacher-forced, in batches (right padding:
+    causal attention keeps it out of every real position). fixed@k reads depth k; ETE-Ragged the
+    exits each position would take (Eq. 4, 7); Ouro mode the threshold exit on full lanes;
+    Dense-Ragged is fixed@U (a teacher-forced pass is a prefill)."""
+    U, T_max = model.config.n_loops, model.config.block_size
+    out = [None] * len(pairs)
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        seqs = [(pairs[i][0] + pairs[i][1])[-(T_max + 1):] for i in idx]          # keep the end of long contexts
+        T = max(len(s) for s in seqs) - 1
+        x = torch.zeros(len(seqs), T, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            x[r, :len(s) - 1] = torch.tensor(s[:-1])
+        x = x.to(device)
+        if mode == "ete_ragged":
+            o = forward_ragged(model, x, taus=thr)
+            logits, exits = o["logits"], o["exits"]
+        else:
+            o = model(x, keep_logits=True)
+            if mode == "ouro":
+                exits = threshold_exit(o["gate_logits"], thr)
+                logits = torch.stack(o["logits"], -2).gather(-2, (exits - 1)[..., None, None].expand(
+                    *exits.shape, 1, o["logits"][0].shape[-1]))[..., 0, :]
+            else:
+                k = depth if mode == "fixed" else U
+                logits, exits = o["logits"][k - 1], torch.full(x.shape, k, dtype=torch.long)
+        logp = torch.log_softmax(logits.float(), -1).cpu()
+        exits = exits.cpu()
+        for r, i in enumerate(idx):
+            n_cont = len(pairs[i][1])
+            s = seqs[r]
+            pos = torch.arange(len(s) - 1 - n_cont, len(s) - 1)             # positions predicting the continuation
+            tgt = torch.tensor(s[-n_cont:])
+            lp = logp[r, pos, tgt]
+            greedy = bool((logp[r, pos].argmax(-1) == tgt).all())
+            out[i] = (float(lp.sum()), greedy, exits[r, pos].tolist())
+    return out
+
+
+@contextlib.contextmanager
+def item_errors(task, i):
+    """A tokenizer's complaint about an item names the task and the item."""
+    try:
+        yield
+    except UserError as e:
+        raise UserError(f"--task {task}: item {i}: {e}")
+
+
+def run_mc(model, items, task, spec, c, encode, device, shots):
+    mode, thr, depth = spec
+    prefix = "".join(shot_text(s) + "\n\n" for s in shots)
+    pairs, owners = [], []
+    for i, item in enumerate(items):
+        with item_errors(task, i):
+            ctx = encode(prefix + item["context"]) if "context" in item else item["context_ids"]
+            for j, ch in enumerate(item.get("choices") or item["choices_ids"]):
+                pairs.append((ctx, encode(ch) if isinstance(ch, str) else list(ch)))
+                owners.append((i, j))
+    scores = continuation_logprobs(model, pairs, mode, thr, depth, c["batch_size"], device)
+    records, acc, acc_norm, depths = [], [], [], []
+    for i, item in enumerate(items):
+        mine = [(j, scores[p]) for p, (ii, j) in enumerate(owners) if ii == i]
+        ll = [s[0] for _, s in mine]
+        lens = [len(ch) for ch in (item.get("choices") or item["choices_ids"])]
+        pred, pred_norm = int(np.argmax(ll)), int(np.argmax([l / max(n, 1) for l, n in zip(ll, lens)]))
+        acc.append(pred == item["answer"])
+        acc_norm.append(pred_norm == item["answer"])
+        ex = [e for _, s in mine for e in s[2]]
+        depths.extend(ex)
+        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="mc", loglik=ll, pred=pred,
+                            pred_norm=pred_norm, answer=item["answer"], correct=pred == item["answer"], exits=ex,
+                            difficulty=item.get("difficulty")))
+    d = float(np.mean(depths)) if depths else None
+    return dict(acc=mean_stderr(acc)[0], acc_norm=mean_stderr(acc_norm)[0], stderr=mean_stderr(acc)[1],
+                avg_depth={"prefill": d, "decode": None, "overall": d}), records
+
+
+def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
+    """n rollouts per item through the engine; stop text cuts a rollout (and frees its pages)."""
+    mode, thr, depth = spec
+    U = model.config.n_loops
+    pages = c["kv_pages"] or c["max_batch"] * model.config.block_size * U
+    engine = Engine(model, pages, c["max_batch"], attn=c["attn"])
+    stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
+    eos = []
+    if c["chat"]:
+        from sample import IM_END
+        eos = [IM_END]
+    reqs = []
+    for i, item in enumerate(items):
+        with item_errors(task, i):
+            if "prompt_ids" in item:
+                ids = list(item["prompt_ids"])
+            else:
+                text = gen_prompt_text(item, shots, c["chat"])
+                ids = chat_ids(text, encode) if c["chat"] else encode(text)
+        cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"], model.config.block_size - len(ids))
+        if cap < 1:
+            raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "
+                            f"{model.config.block_size}")
+        for j in range(c["n"]):
+            r = Request(ids, cap, mode, 0.5 if thr is None else thr, depth or 0, c["temperature"], c["top_p"], c["top_k"],
+                        c["seed"] + 1000 * i + j, tuple(eos))
+            r.item = i
+            if stop and decode is not None and item.get("extract", "answer_is") != "prefix":
+                def on_token(r, tok, stop=stop):      # the next exemplar begins: this rollout is done
+                    if tok is not None and stop in decode(r.tokens):
+                        r.cancelled = True
+                r.on_token = on_token
+            reqs.append(engine.add(r))
+    from tqdm import tqdm
+    with tqdm(total=len(reqs), desc=f"{task} {mode_name(*spec)}", unit="rollout", file=sys.stderr, disable=None,
+              leave=False) as bar:
+        done = 0
+        while engine.busy():
+            engine.step()
+            bar.update(len(engine.finished) - done)
+            done = len(engine.finished)
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    if failed:
+        raise UserError(f"--kv_pages: {failed[0].error}")
+    records, per_k = [], {k: [] for k in ks}
+    pe, de = [], []
+    for i, item in enumerate(items):
+        mine = [r for r in reqs if r.item == i]
+        comps, answers, correct = [], [], []
+        for r in mine:
+            toks = [t for t in r.tokens if t not in r.stop]
+            text = decode(toks) if decode is not None else ""
+            if stop and stop in text:
+                text = text[:text.index(stop)]
+            ok, ans = is_correct(item, text, toks)
+            comps.append(text if decode is not None else toks)
+            answers.append(ans)
+            correct.append(bool(ok))
+            pe += r.prompt_exits
+            de += r.decode_exits
+        for k in ks:
+            per_k[k].append(pass_at_k(len(correct), sum(correct), k))
+        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="gen", completions=comps,
+                            extracted=answers, correct=correct, answer=item.get("answer", item.get("answer_ids")),
+                            difficulty=item.get("difficulty"), kind=item.get("kind"),
+                            answer_depth=[r.token_exits[0] if r.token_exits else None for r in mine],
+                            prompt_exits=[r.prompt_exits for r in mine], decode_exits=[r.decode_exits for r in mine]))
+    mean = lambda xs: float(np.mean(xs)) if xs else None
+    return dict(pass_at={str(k): mean_stderr(v)[0] for k, v in per_k.items()},
+                stderr={str(k): mean_stderr(v)[1] for k, v in per_k.items()},
+                avg_depth={"prefill": mean(pe), "decode": mean(de), "overall": mean(pe + de)},
+                exit_stats=exit_stats(de, U)), records
+
+
+def by_difficulty(records):
+    """Accuracy and the depth that produced the answer, per difficulty level (the builtin suite)."""
+    out = {}
+    for level in sorted({r["difficulty"] for r in records if r.get("difficulty")}):
+        rs = [r for r in records if r.get("difficulty") == level]
+        correct = [x for r in rs for x in r["correct"]] if rs[0]["type"] == "gen" else [r["correct"] for r in rs]
+        depth = [d for r in rs for d in (r.get("answer_depth") or []) if d is not None]
+        out[str(level)] = {"items": len(rs), "acc": float(np.mean(correct)), "answer_depth": float(np.mean(depth)) if depth else None}
+    return out
+
+
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
+    """Our model in one mode as an lm-evaluation-harness LM, so that its task zoo runs as is."""
+    from lm_eval.api.model import LM
+    prefix = encode("\n")[:1] or [0]
+
+    class LoopedLM(LM):
+        def loglikelihood(self, requests):
+            pairs = [(encode(ctx) or prefix, encode(cont)) for ctx, cont in (r.args for r in requests)]
+            return [(lp, greedy) for lp, greedy, _ in continuation_logprobs(model, pairs, mode, thr, depth,
+                                                                             c["batch_size"], device)]
+
+        def loglikelihood_rolling(self, requests):
+            out = []
+            for r in requests:
+                ids = encode(r.args[0])
+                T = model.config.block_size
+                total, start = 0.0, 0
+                while start < len(ids):      # every token predicted once, each window with the most context
+                    end = min(start + T, len(ids))
+                    ctx = (prefix + ids)[max(0, end - T):start + 1] if start == 0 else ids[max(0, end - T - 1):start]
+                    total += continuation_logprobs(model, [(ctx, ids[start:end])], mode, thr, depth, 1, device)[0][0]
+                    start = end
+                out.append(total)
+            return out
+
+        def generate_until(self, requests):
+            items = []
+            for r in requests:
+                ctx, kw = r.args
+                items.append((encode(ctx), kw.get("until") or [], int(kw.get("max_gen_toks", c["max_tokens"]))))
+            engine = Engine(model, c["kv_pages"] or c["max_batch"] * model.config.block_size * model.config.n_loops,
+                            c["max_batch"], attn=c["attn"])
+            reqs = []
+            for ids, until, cap in items:
+                ids = ids[-(model.config.block_size - 1):]
+                rq = Request(ids, max(1, min(cap, model.config.block_size - len(ids))), mode, 0.5 if thr is None else thr,
+                             depth or 0, 0.0)
+                rq.until = [u for u in until if isinstance(u, str)]
+
+                def on_token(rq, tok):
+                    if tok is not None and any(u in decode(rq.tokens) for u in rq.until):
+                        rq.cancelled = True
+                rq.on_token = on_token
+                reqs.append(engine.add(rq))
+            while engine.busy():
+                engine.step()
+            texts = []
+            for rq in reqs:
+                text = decode(rq.tokens)
+                cut = [text.index(u) for u in rq.until if u in text]
+                texts.append(text[:min(cut)] if cut else text)
+            return texts
+
+    return LoopedLM()
+
+
+def run_lm_eval(model, encode, decode, specs, c, device):
+    try:
+        import lm_eval
+    except ImportError:
+        raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and its tasks' datasets")
+    from lm_eval.tasks import TaskManager
+    manager = TaskManager(include_path=c["lm_eval_include"] or None)
+    runs = []
+    for spec in specs:
+        res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec, c, device),
+                                      tasks=[t for t in c["lm_eval"].split(",") if t], num_fewshot=c["shots"] or None,
+                                      limit=c["limit"] or None, task_manager=manager)
+        for task, metrics in res["results"].items():
+            runs.append(dict(task=f"lm_eval:{task}", mode=spec[0], thr=spec[1], depth=spec[2], n_items=None,
+                             acc=metrics.get("acc,none"), acc_norm=metrics.get("acc_norm,none"), pass_at=None,
+                             stderr=metrics.get("acc_stderr,none"), avg_depth=None, lm_eval=metrics))
+    return runs
+
+
+# ----------------------------------------------------------------------------- the frontier
+
+def score_of(run):
+    return run["pass_at"]["1"] if run.get("pass_at") else run.get("acc")
+
+
+def draw_frontier(runs, path, U):
+    """Score against average decode depth and against average overall depth (App. E.1, Figures
+    15-18): fixed depths as a line, each ragged mode as its own curve over thresholds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = sorted({r["task"] for r in runs if r.get("avg_depth")})
+    fig, axes = plt.subplots(len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False)
+    for row, task in zip(axes, tasks):
+        for ax, which in zip(row, ("decode", "overall")):
+            for mode, style in (("fixed", "ko--"), ("dense_ragged", "s-"), ("ete_ragged", "^-"), ("ouro", "d:")):
+                pts = sorted((r["avg_depth"][which], score_of(r)) for r in runs if r["task"] == task and r["mode"] == mode
+                             and r["avg_depth"].get(which) is not None and score_of(r) is not None)
+                if pts:
+                    ax.plot(*zip(*pts), style, label=mode)
+            ax.set(xlabel=f"average {which} depth", ylabel="pass@1 / accuracy", title=task, xlim=(0.8, U + 0.2))
+            if ax.lines:
+                ax.legend(fontsize=7)
+            else:   # e.g. one-token answers: no decode position ever runs
+                ax.text(0.5, 0.5, f"no {which} positions", transform=ax.transAxes, ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main
+
+def merge_repeated(argv, key):
+    """--task a --task b -> --task=a,b (the configurator keeps the last of a repeated key)."""
+    values, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == f"--{key}" and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith(f"--{key}="):
+            values.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+        i += 1
+    return rest + ([f"--{key}=" + ",".join(values)] if values else [])
+
+
+def main(argv):
+    c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__)
+    ks = [int(k) for k in str(c["k"]).split(",")]
+    if max(ks) > c["n"]:
+        raise UserError(f"--k={c['k']}: pass@k needs k <= --n={c['n']} rollouts per item")
+    files = [t for t in c["task"].split(",") if t]
+    if not files and not c["builtin"] and not c["lm_eval"]:
+        raise UserError("--task: give task files (JSONL), --builtin synthetic, or --lm_eval tasks")
+    tasks = {os.path.splitext(os.path.basename(f))[0]: load_task(f) for f in files}
+    if os.path.exists(c["out"]) and not os.path.isdir(c["out"]):
+        raise UserError(f"--out={c['out']}: exists and is not a directory")
+    if c["plots"]:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
+    dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+    device = resolve_device(c["device"])
+    model, ckpt = load_checkpoint(c["ckpt"], device, dtypes[c["dtype"]])
+    U = model.config.n_loops
+    if c["sweep"]:
+        thrs = [float(t) for t in c["thresholds"].split(",")]
+        specs = [("fixed", None, k) for k in range(1, U + 1)] + [(m, t, None) for m in ("dense_ragged", "ete_ragged")
+                                                                 for t in thrs]
+    else:
+        specs = parse_modes(c["modes"] or f"fixed@{U},dense_ragged@0.5,ete_ragged@0.5", U)
+    meta = ckpt.get("meta") or {}
+    encode = decode = None
+    if meta:
+        from prepare_data import load_tokenizer
+        encode, decode = load_tokenizer(meta, c["tiktoken_file"])
+    needs_text = any("prompt" in it or "context" in it for items in tasks.values() for it in items)
+    if encode is None and (needs_text or c["builtin"] or c["lm_eval"]):
+        raise UserError("this checkpoint has no tokenizer: give tasks with context_ids / choices_ids / prompt_ids")
+    if c["chat"]:
+        from sample import check_chat
+        check_chat(meta)
+    if c["builtin"]:
+        tasks["synthetic"] = builtin_synthetic(c["builtin_items"], c["seed"])
+    torch.manual_seed(c["seed"])
+    os.makedirs(c["out"], exist_ok=True)
+    runs, records = [], []
+    for task, items in tasks.items():
+        shots, scored = items[:c["shots"]], items[c["shots"]:]
+        if c["limit"]:
+            scored = scored[:c["limit"]]
+        if not scored:
+            raise UserError(f"--shots={c['shots']}: task {task} has no items left to score")
+        for spec in specs:
+            mc = [it for it in scored if it["type"] == "mc"]
+            gen = [it for it in scored if it["type"] == "gen"]
+            for kind, group in (("mc", mc), ("gen", gen)):
+                if not group:
+                    continue
+                if kind == "mc":
+                    summary, recs = run_mc(model, group, task, spec, c, encode, device, [s for s in shots if s["type"] == "mc"])
+                else:
+                    summary, recs = run_gen(model, group, task, spec, c, encode, decode,
+                                            [s for s in shots if s["type"] == "gen"], ks)
+                run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None, acc_norm=None,
+                           pass_at=None, stderr=None, avg_depth=None)
+                run.update(summary)
+                if any(r.get("difficulty") for r in recs):
+                    run["by_difficulty"] = by_difficulty(recs)
+                runs.append(run)
+                records.extend(recs)
+                score = score_of(run)
+                print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score:.3f} (n={len(group)}); avg depth "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None), file=sys.stderr)
+    if c["lm_eval"]:
+        runs += run_lm_eval(model, encode, decode, specs, c, device)
+    with open(os.path.join(c["out"], "results.json"), "w") as f:
+        json.dump({"ckpt": c["ckpt"], "config": {k: c[k] for k in ("n", "k", "shots", "chat", "max_tokens", "temperature",
+                                                                    "top_p", "top_k", "seed")}, "runs": runs}, f, indent=1)
+    with open(os.path.join(c["out"], "records.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    if c["plots"] and any(r.get("avg_depth") for r in runs):
+        draw_frontier(runs, os.path.join(c["out"], "frontier.png"), U)
+    print(json.dumps({"runs": len(runs), "out": c["out"]}))
+    return runs
+
+
+if __name__ == "__main__":
+    run_cli(main)

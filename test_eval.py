@@ -1,0 +1,173 @@
+"""eval.py, offline: multiple-choice log-likelihoods against a direct computation with the model,
+pass@k against the closed form, answer extraction on tricky strings, the sweep's outputs and the
+builtin difficulty suite, and the lm-evaluation-harness adapter on a local task."""
+import json
+import math
+import os
+import string
+
+import pytest
+import torch
+
+import eval as ev
+from model import GPTConfig, LoopedLM, forward_ragged, model_args, save_checkpoint
+from prepare_data import SYNTH_CHARS, char_meta, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A small random char-level model whose exits vary, saved as a checkpoint with its tokenizer."""
+    torch.manual_seed(int(torch.randint(0, 1000, ())))
+    meta = char_meta(sorted(set(SYNTH_CHARS + string.ascii_uppercase + ",.!'\"()*$")))
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=128, n_layer=2, n_head=4, n_embd=32,
+                               ffn_hidden=48)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.early_exit_gate.weight.normal_(0, 1.0)
+    folder = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": meta},
+                    str(folder / "ckpt.pt"))
+    return str(folder), model, *load_tokenizer(meta)
+
+
+def write_jsonl(path, items):
+    with open(path, "w") as f:
+        for it in items:
+            f.write(json.dumps(it) + "\n")
+    return str(path)
+
+
+MC = [{"type": "mc", "context": "the red ", "choices": ["cat", "dog sees", "bird"], "answer": 1},
+      {"type": "mc", "context": "x=3 a=x ; a? ", "choices": ["3", "5"], "answer": 0},
+      {"type": "mc", "context": "copy abc : ", "choices": ["abc.", "xyz."], "answer": 0}]
+
+
+@torch.no_grad()
+def direct_loglik(model, encode, context, choice, mode, thr=None, depth=None):
+    ids = encode(context + choice)
+    n = len(encode(choice))
+    x = torch.tensor([ids[:-1]])
+    if mode == "ete_ragged":
+        logits = forward_ragged(model, x, taus=thr)["logits"][0]
+    else:
+        logits = model(x, keep_logits=True)["logits"][depth - 1][0]
+    lp = torch.log_softmax(logits.float(), -1)
+    return sum(float(lp[len(ids) - 1 - n + i, ids[len(ids) - n + i]]) for i in range(n))
+
+
+def test_multiple_choice_logliks_equal_a_direct_computation(tmp_path, ckpt):
+    folder, model, encode, _ = ckpt
+    task = write_jsonl(tmp_path / "mc.jsonl", MC)
+    runs = ev.main([f"--ckpt={folder}", f"--task={task}", "--modes=fixed@2,ete_ragged@0.5,dense_ragged@0.3",
+                    f"--out={tmp_path / 'o'}", "--batch_size=2", "--plots=False"])
+    recs = [json.loads(line) for line in open(tmp_path / "o" / "records.jsonl")]
+    assert len(recs) == 3 * 3 and {r["mode"] for r in recs} == {"fixed", "ete_ragged", "dense_ragged"}
+    for r in recs:
+        item = MC[r["item"]]
+        mode, thr, depth = r["mode"], r["thr"], r["depth"]
+        want = [direct_loglik(model, encode, item["context"], ch, "fixed" if mode == "dense_ragged" else mode, thr,
+                              4 if mode == "dense_ragged" else depth) for ch in item["choices"]]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(r["loglik"], want)), (r, want)
+        assert r["pred"] == max(range(len(want)), key=lambda j: want[j])
+        lens = [len(ch) for ch in item["choices"]]
+        assert r["pred_norm"] == max(range(len(want)), key=lambda j: want[j] / lens[j])
+    run = next(x for x in runs if x["mode"] == "fixed")
+    assert run["acc"] == sum(r["correct"] for r in recs if r["mode"] == "fixed") / 3 and run["avg_depth"]["prefill"] == 2.0
+    dense = next(x for x in runs if x["mode"] == "dense_ragged")
+    assert dense["avg_depth"]["prefill"] == 4.0       # a teacher-forced pass is a prefill: fixed@U
+
+
+@pytest.mark.parametrize("n,c,k,want", [(4, 1, 1, 0.25), (4, 1, 4, 1.0), (4, 2, 2, 1 - 1 / 6), (4, 0, 2, 0.0),
+                                        (16, 3, 4, 1 - math.comb(13, 4) / math.comb(16, 4)), (5, 5, 3, 1.0)])
+def test_pass_at_k_closed_form(n, c, k, want):
+    assert abs(ev.pass_at_k(n, c, k) - want) < 1e-12
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("So the answer is 42.", "42"), ("the answer is 3. Wait, the answer is 5.", "5"), ("The answer is (B)!", "(B)"),
+    ("**The answer is True**", "True"), ("no marker here", None), ("the answer is 3.14.", "3.14"),
+    ("The answer is: $12$.\nQ: next question", "12"), ("THE ANSWER IS False", "False"), ("the answer is\n", None),
+])
+def test_strict_answer_extraction(text, answer):
+    assert ev.extract_answer(text) == answer
+
+
+def test_generation_sweep_writes_results_records_and_plot(tmp_path, ckpt):
+    folder, model, encode, decode = ckpt
+    gen = [{"type": "gen", "prompt": "x=3 a=x ; a?", "answer": "3", "cot": "a is x, x is 3. So the answer is 3."},
+           {"type": "gen", "prompt": "sum 1+2=", "answer": "3"}, {"type": "gen", "prompt": "copy ab :", "answer": "ab"}]
+    task = write_jsonl(tmp_path / "gen.jsonl", gen)
+    out = tmp_path / "sweep"
+    runs = ev.main([f"--ckpt={folder}", f"--task={task}", "--builtin=synthetic", "--builtin_items=2", "--sweep",
+                    "--thresholds=0.3,0.6", "--n=3", "--k=1,2", "--shots=1", "--max_tokens=12", f"--out={out}"])
+    U = model.config.n_loops
+    assert len(runs) == 2 * (U + 4)                         # 2 tasks x (fixed@1..U + 2 modes x 2 thresholds)
+    res = json.load(open(out / "results.json"))["runs"]
+    for r in res:
+        assert set(r) >= {"task", "mode", "thr", "depth", "n_items", "acc", "acc_norm", "pass_at", "stderr", "avg_depth"}
+        assert set(r["pass_at"]) == {"1", "2"} and r["pass_at"]["2"] >= r["pass_at"]["1"]
+        assert set(r["avg_depth"]) == {"prefill", "decode", "overall"}
+        if r["mode"] == "fixed":
+            assert r["avg_depth"]["prefill"] == r["depth"]
+    syn = [r for r in res if r["task"] == "synthetic"]
+    assert all(set(r["by_difficulty"]) == {"1", "2", "3", "4"} for r in syn)
+    recs = [json.loads(line) for line in open(out / "records.jsonl")]
+    g = next(r for r in recs if r["task"] == "gen" and r["mode"] == "ete_ragged")
+    assert len(g["completions"]) == 3 and len(g["correct"]) == 3 and len(g["decode_exits"]) == 3
+    # every figure can be recomputed from the records: pass@1 of a run is the mean of its items' correct rates
+    for r in res:
+        mine = [x for x in recs if x["task"] == r["task"] and x["mode"] == r["mode"] and x["thr"] == r["thr"]
+                and x["depth"] == r["depth"]]
+        assert abs(r["pass_at"]["1"] - sum(sum(x["correct"]) / 3 for x in mine) / len(mine)) < 1e-12
+    assert os.path.getsize(out / "frontier.png") > 1000
+    # the few-shot prompt: the description-less exemplar, then the question (App. D)
+    assert ev.gen_prompt_text(gen[1], gen[:1], chat=False) == (
+        "Q: x=3 a=x ; a?\nA: a is x, x is 3. So the answer is 3.\n\nQ: sum 1+2=\nA:")
+
+
+def test_bad_task_files_are_one_line_errors(tmp_path, ckpt, capsys):
+    import configurator
+    folder = ckpt[0]
+    bad = tmp_path / "bad.jsonl"
+    for content, key in [('{"type": "mc", "context": "a", "choices": ["b"], "answer": 3}\n', "task"),
+                         ("not json\n", "task"), ('{"type": "essay"}\n', "task")]:
+        bad.write_text(content)
+        with pytest.raises(SystemExit) as e:
+            configurator.run_cli(ev.main, [f"--ckpt={folder}", f"--task={bad}", f"--out={tmp_path / 'x'}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --task")
+    for args in (["--builtin=synthetic", "--n=1", "--k=4"], ["--builtin=synthetic", "--modes=fixed@9"],
+                 ["--builtin=synthetic", "--modes=warp@0.5"], ["--builtin=synthetic", "--modes=ete_ragged@2"], []):
+        with pytest.raises(SystemExit) as e:
+            configurator.run_cli(ev.main, [f"--ckpt={folder}", f"--out={tmp_path / 'x'}"] + args)
+        assert e.value.code == 2 and capsys.readouterr().err.startswith("error: ")
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_lm_eval_adapter_answers_a_local_task(tmp_path, ckpt):
+    """lm-evaluation-harness runs our model (ETE-Ragged) on a task defined here, offline."""
+    import lm_eval
+    from lm_eval.api.instance import Instance
+    from lm_eval.tasks import TaskManager
+    folder, model, encode, decode = ckpt
+    data = write_jsonl(tmp_path / "tiny.jsonl", [{"context": c, "choices": ["cat", "dog", "tree"], "answer": 0}
+                                                 for c in ("the red ", "a big ", "my old ")])
+    (tmp_path / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+        "doc_to_target: \"{{answer}}\"\nmetric_list:\n  - metric: acc\n")
+    (tmp_path / "tiny_gen.yaml").write_text(
+        f"task: tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: \"{{context}}\"\ndoc_to_target: \"{{choices[answer]}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 5\nmetric_list:\n  - metric: exact_match\n")
+    lm = ev.lm_eval_adapter(model, encode, decode, "ete_ragged", 0.5, None, dict(ev.DEFAULTS), "cpu")
+    ll = lm.loglikelihood([Instance("loglikelihood", {}, ("the red ", "cat"), 0)])
+    assert abs(ll[0][0] - direct_loglik(model, encode, "the red ", "cat", "ete_ragged", 0.5)) < 1e-4
+    out = lm.generate_until([Instance("generate_until", {}, ("the ", {"until": ["e"], "max_gen_toks": 6}), 0)])
+    assert isinstance(out[0], str) and "e" not in out[0] and len(out[0]) <= 6
+    rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("the red cat",), 0)])
+    assert rolling[0] < 0
+    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"], task_manager=TaskManager(include_path=str(tmp_path)))
+    assert res["results"]["tiny_mc"]["sample_len"] == 3 and 0 <= res["results"]["tiny_mc"]["acc,none"] <= 1
+    assert "exact_match,none" in res["results"]["tiny_gen"]
