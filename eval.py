@@ -5,6 +5,7 @@ compute-accuracy frontier over fixed depths and Ragged-KV thresholds, offline.
     python eval.py --ckpt out/ --builtin synthetic --sweep --out eval-out/          # difficulty-graded suite
     python eval.py --ckpt CKPT --task bbh.jsonl --modes fixed@4,dense_ragged@0.3 --n 4 --k 1,4 --shots 3 --out DIR
     python eval.py --ckpt CKPT --lm_eval hellaswag,arc_challenge --modes fixed@4,ete_ragged@0.5 --out DIR
+    python eval.py --convert gsm8k,bbh --out tasks/         # standard benchmarks as our JSONL (datasets, network)
 
 Task files are JSONL, one item a line:
     {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
@@ -46,6 +47,7 @@ DEFAULTS = dict(
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
+    convert="",            # write standard benchmarks (mmlu, arc_challenge, hellaswag, winogrande, gsm8k, bbh) as our JSONL into --out, then stop
     modes="",              # e.g. fixed@1,fixed@4,dense_ragged@0.3,ete_ragged@0.5 (default: fixed@U and the ragged modes at 0.5)
     sweep=False,           # the frontier of App. E.1: fixed@1..U and every --thresholds for both ragged modes
     thresholds="0.2,0.3,0.4,0.5,0.6,0.75",  # the sweep's thresholds
@@ -162,6 +164,77 @@ def builtin_synthetic(per_level, seed):
         items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
                       "difficulty": level, "kind": "chain" if "chain" in maker.__name__ else "sum"})
     return items
+
+
+# ----------------------------------------------------------------------------- standard benchmarks
+
+def mmlu_item(r):
+    letters = "ABCD"
+    text = r["question"].strip() + "\n" + "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(r["choices"])) + "Answer:"
+    return {"type": "mc", "context": text, "choices": [f" {l}" for l in letters[:len(r["choices"])]], "answer": int(r["answer"])}
+
+
+def arc_item(r):
+    return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:", "choices": [f" {t}" for t in r["choices"]["text"]],
+            "answer": r["choices"]["label"].index(r["answerKey"])}
+
+
+def hellaswag_item(r):
+    return {"type": "mc", "context": r["ctx"], "choices": [" " + e for e in r["endings"]], "answer": int(r["label"])}
+
+
+def winogrande_item(r):
+    """The blank filled by each option; the context is the sentence up to the blank."""
+    before, after = r["sentence"].split("_", 1)
+    return {"type": "mc", "context": before.rstrip(), "choices": [f" {r['option1']}{after}", f" {r['option2']}{after}"],
+            "answer": int(r["answer"]) - 1}
+
+
+def gsm8k_item(r):
+    rationale, answer = r["answer"].split("####")
+    rationale = re.sub(r"<<.*?>>", "", rationale).strip().replace("\n", " ")
+    answer = answer.strip().replace(",", "")
+    return {"type": "gen", "prompt": r["question"], "answer": answer, "cot": f"{rationale} So the answer is {answer}."}
+
+
+def bbh_item(r):
+    return {"type": "gen", "prompt": r["input"], "answer": r["target"]}
+
+
+BBH_TASKS = ["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
+             "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
+             "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
+             "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table",
+             "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks",
+             "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects",
+             "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies",
+             "word_sorting"]
+BENCHMARKS = {  # name: (datasets path, configs, split, row -> item in our schema)
+    "mmlu": ("cais/mmlu", ["all"], "test", mmlu_item),
+    "arc_challenge": ("allenai/ai2_arc", ["ARC-Challenge"], "test", arc_item),
+    "hellaswag": ("Rowan/hellaswag", [None], "validation", hellaswag_item),
+    "winogrande": ("allenai/winogrande", ["winogrande_xl"], "validation", winogrande_item),
+    "gsm8k": ("openai/gsm8k", ["main"], "test", gsm8k_item),
+    "bbh": ("lukaemon/bbh", BBH_TASKS, "test", bbh_item),
+}
+
+
+def convert(names, out):
+    """Standard benchmarks through the `datasets` library (network), written as our JSONL tasks."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("--convert needs the optional datasets package (pip install datasets) and the network")
+    os.makedirs(out, exist_ok=True)
+    for name in names:
+        path, configs, split, to_item = BENCHMARKS[name]
+        for config in configs:
+            rows = load_dataset(path, config, split=split)
+            file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
+            with open(file, "w") as f:
+                for r in rows:
+                    f.write(json.dumps(to_item(r)) + "\n")
+            print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- prompts (App. D)
@@ -532,6 +605,11 @@ def merge_repeated(argv, key):
 
 def main(argv):
     c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__)
+    if c["convert"]:
+        unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
+        if unknown:
+            raise UserError(f"--convert: unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
+        return convert(c["convert"].split(","), c["out"])
     ks = [int(k) for k in str(c["k"]).split(",")]
     if max(ks) > c["n"]:
         raise UserError(f"--k={c['k']}: pass@k needs k <= --n={c['n']} rollouts per item")

@@ -171,3 +171,24 @@ def test_lm_eval_adapter_answers_a_local_task(tmp_path, ckpt):
     res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"], task_manager=TaskManager(include_path=str(tmp_path)))
     assert res["results"]["tiny_mc"]["sample_len"] == 3 and 0 <= res["results"]["tiny_mc"]["acc,none"] <= 1
     assert "exact_match,none" in res["results"]["tiny_gen"]
+
+
+def test_standard_benchmark_rows_convert_to_the_task_schema():
+    rows = {
+        "mmlu": {"question": "2+2=?", "choices": ["3", "4", "5", "6"], "answer": 1},
+        "arc_challenge": {"question": "Which?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "B"},
+        "hellaswag": {"ctx": "He opens the door", "endings": ["and walks in.", "x", "y", "z"], "label": "0"},
+        "winogrande": {"sentence": "The cup did not fit in the box because the _ was too big.", "option1": "cup",
+                       "option2": "box", "answer": "1"},
+        "gsm8k": {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+        "bbh": {"input": "not ( True ) is", "target": "False"},
+    }
+    items = {name: ev.BENCHMARKS[name][3](row) for name, row in rows.items()}
+    for name, item in items.items():
+        ev.check_item(item, name)
+    assert items["mmlu"]["choices"] == [" A", " B", " C", " D"] and items["mmlu"]["context"].endswith("D. 6\nAnswer:")
+    assert items["arc_challenge"]["answer"] == 1 and items["hellaswag"]["answer"] == 0
+    assert items["winogrande"]["context"] == "The cup did not fit in the box because the"
+    assert items["winogrande"]["choices"][0] == " cup was too big." and items["winogrande"]["answer"] == 0
+    assert items["gsm8k"]["answer"] == "7" and items["gsm8k"]["cot"] == "3 + 4 = 7 So the answer is 7."
+    assert ev.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
