@@ -398,10 +398,7 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     pages = c["kv_pages"] or c["max_batch"] * model.config.block_size * U
     engine = Engine(model, pages, c["max_batch"], attn=c["attn"])
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
-    eos = []
-    if c["chat"]:
-        from sample import IM_END
-        eos = [IM_END]
+    eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
     reqs = []
     for i, item in enumerate(items):
         with item_errors(task, i):
@@ -642,9 +639,11 @@ def main(argv):
     needs_text = any("prompt" in it or "context" in it for items in tasks.values() for it in items)
     if encode is None and (needs_text or c["builtin"] or c["lm_eval"]):
         raise UserError("this checkpoint has no tokenizer: give tasks with context_ids / choices_ids / prompt_ids")
+    c["eos_ids"] = [{"gpt2": 50256, "hf": 0}[meta["tokenizer"]]] if meta.get("tokenizer") in ("gpt2", "hf") else []
     if c["chat"]:
-        from sample import check_chat
+        from sample import IM_END, check_chat
         check_chat(meta)
+        c["eos_ids"] = [IM_END] + c["eos_ids"]
     if c["builtin"]:
         tasks["synthetic"] = builtin_synthetic(c["builtin_items"], c["seed"])
     torch.manual_seed(c["seed"])
