@@ -202,17 +202,20 @@ def paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale=None):
         _flex = torch.compile(flex_attention, dynamic=False)
     R, Hq, D = q.shape
     P = k_pages.shape[0]
+    Rp = max(16, 1 << (R - 1).bit_length())      # rows padded to a power of two: a handful of compiled shapes
     valid = torch.arange(page_ids.shape[1], device=q.device)[None, :] < lengths.to(q.device)[:, None]
     rows = torch.arange(R, device=q.device)[:, None].expand_as(valid)
-    member = torch.zeros(R, P, dtype=torch.bool, device=q.device)
+    member = torch.zeros(Rp, P, dtype=torch.bool, device=q.device)     # padding rows read nothing
     member[rows[valid], page_ids.to(q.device).long()[valid]] = True
+    qp = torch.zeros(Rp, Hq, D, dtype=q.dtype, device=q.device)
+    qp[:R] = q
 
     def may_read(b, h, q_idx, kv_idx):
         return member[q_idx, kv_idx]
-    block_mask = create_block_mask(may_read, None, None, R, P, device=q.device)
-    y = _flex(q.transpose(0, 1)[None], k_pages.transpose(0, 1)[None], v_pages.transpose(0, 1)[None],
+    block_mask = create_block_mask(may_read, None, None, Rp, P, device=q.device)
+    y = _flex(qp.transpose(0, 1)[None], k_pages.transpose(0, 1)[None], v_pages.transpose(0, 1)[None],
               block_mask=block_mask, scale=scale, enable_gqa=Hq != k_pages.shape[1])
-    return y[0].transpose(0, 1)
+    return y[0].transpose(0, 1)[:R]
 
 
 # ----------------------------------------------------------------------------- the call

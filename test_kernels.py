@@ -94,7 +94,7 @@ def test_auto_is_torch_on_the_cpu_and_bad_impls_are_refused():
         paged_attention(*random_case(1, 2, 2, 16, 3), impl="cudnn")
 
 
-@pytest.mark.parametrize("attn", ["triton", "auto"])
+@pytest.mark.parametrize("attn", ["triton", "flex", "auto"])
 def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
     from serve_depthbatch import Engine, Request
     from test_ragged import prompt, varied_model
