@@ -142,7 +142,7 @@ def timings(c, copy_bw):
             rows.append(row)
             print(f"B={B:>4} ctx={ctx:>6}: triton {row['triton_us']:9.1f} us  {row['triton_gb_s']:7.1f} GB/s "
                   f"({row['of_copy_bw']:.0%} of copy)  x contiguous SDPA {row['x_contiguous']:.2f}", file=sys.stderr)
-            del paged, dense
+            paged = dense = None                                  # free before the next configuration
             torch.cuda.empty_cache()
     return rows
 

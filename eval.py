@@ -38,7 +38,7 @@ import torch
 from configurator import device_rule, parse, run_cli
 from kernels import IMPLS
 from model import UserError, exit_stats, forward_ragged, load_checkpoint, resolve_device, threshold_exit
-from serve_depthbatch import MODES as ENGINE_MODES, Engine, Request
+from serve_depthbatch import Engine, Request, pool_pages
 
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
@@ -64,7 +64,7 @@ DEFAULTS = dict(
     limit=0,               # at most this many scored items per task (0: all)
     batch_size=16,         # sequences per log-likelihood forward
     max_batch=32,          # requests in flight in the engine
-    kv_pages=0,            # the engine's pool (0: enough for max_batch full contexts at every depth)
+    kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
@@ -395,8 +395,7 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     """n rollouts per item through the engine; stop text cuts a rollout (and frees its pages)."""
     mode, thr, depth = spec
     U = model.config.n_loops
-    pages = c["kv_pages"] or c["max_batch"] * model.config.block_size * U
-    engine = Engine(model, pages, c["max_batch"], attn=c["attn"])
+    engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"])
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
     eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
     reqs = []
@@ -505,8 +504,7 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
             for r in requests:
                 ctx, kw = r.args
                 items.append((encode(ctx), kw.get("until") or [], int(kw.get("max_gen_toks", c["max_tokens"]))))
-            engine = Engine(model, c["kv_pages"] or c["max_batch"] * model.config.block_size * model.config.n_loops,
-                            c["max_batch"], attn=c["attn"])
+            engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"])
             reqs = []
             for ids, until, cap in items:
                 ids = ids[-(model.config.block_size - 1):]
@@ -617,9 +615,8 @@ def main(argv):
     if os.path.exists(c["out"]) and not os.path.isdir(c["out"]):
         raise UserError(f"--out={c['out']}: exists and is not a directory")
     if c["plots"]:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
     dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
     device = resolve_device(c["device"])

@@ -13,7 +13,6 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
   - k-hop variable chains      "x=3 a=5 b=a c=b ; c? 5"    (answer label k = hops, 1..4)
   - digit sums mod 10          "sum 3+4+8=5"               (answer label = number of terms, 1..4)
 """
-import json
 import os
 import random
 import sys

@@ -381,9 +381,8 @@ def main(argv):
     if c["input"] and not os.path.isfile(c["input"]):
         raise UserError(f"--input={c['input']}: no such file")
     if c["plots"]:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
     runs = grid(c)
     wanted = [n for n in str(c["only"]).split(",") if n] or list(runs)

@@ -21,7 +21,6 @@ requeued); when it returns, its cache is rebuilt by recomputation that replays t
 already had, so its continuation is exactly what it would have been.
 """
 import json
-import math
 import os
 import sys
 import threading
@@ -950,6 +949,16 @@ def page_bytes(model):
     return cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * p.element_size()
 
 
+def pool_pages(model, kv_pages=0, kv_memory=0.0, max_batch=32):
+    """--kv_pages, else --kv_memory GiB, else max_batch full contexts at every depth, at most 2 GiB."""
+    cfg = model.config
+    if kv_pages:
+        return kv_pages
+    if kv_memory:
+        return int(kv_memory * 2**30 // page_bytes(model))
+    return min(max_batch * cfg.block_size * cfg.n_loops, 2 * 2**30 // page_bytes(model))
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     if c["bench"]:
@@ -959,8 +968,7 @@ def main(argv):
     c["ckpt"] = c["ckpt"] or "out"
     model, ckpt = load_checkpoint(c["ckpt"], resolve_device(c["device"]), dtypes[c["dtype"]])
     cfg, size = model.config, page_bytes(model)
-    pages = c["kv_pages"] or (int(c["kv_memory"] * 2**30 // size) if c["kv_memory"] else
-                              min(c["max_batch"] * cfg.block_size * cfg.n_loops, 2 * 2**30 // size))
+    pages = pool_pages(model, c["kv_pages"], c["kv_memory"], c["max_batch"])
     if pages < cfg.n_loops:
         raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth ({cfg.n_loops} pages)")
     meta = ckpt.get("meta") or {}

@@ -1,7 +1,6 @@
 """kernels.paged_attention: the torch reference against a float64 loop; the Triton kernel (under
 TRITON_INTERPRET=1 on the CPU, float32) and the compiled FlexAttention path against the reference,
 on fresh random inputs every run; the engine with each implementation; the core without triton."""
-import math
 import os
 import random
 import subprocess

@@ -624,7 +624,6 @@ def main(argv):
         return metrics
 
     def log(record):
-        nonlocal log_file
         if master:
             os.makedirs(c.out_dir, exist_ok=True)
             with open(log_file, "a") as f:
