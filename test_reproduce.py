@@ -48,7 +48,8 @@ def test_claims_are_computed_from_the_numbers():
     frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])
     assert "of 20 (run, τ) points" in frontier["numbers"]   # 5 base runs x 4 thresholds; branches and flat β apart
     rho = next(c for c in cl.values() if "difficulty" in c["claim"])
-    assert rho["holds"] and "global 0.325" in rho["numbers"]
+    assert rho["holds"] and "global 0.325 (0.300–0.350)" in rho["numbers"] and "local 0.060" in rho["numbers"]
+    assert "global 1.50 / 2.00 / 2.50 / 3.00" in rho["numbers"]
     # and a claim that does not hold says so
     worse = hand_made()
     worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
@@ -74,10 +75,10 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 17
+    assert len(results) == 19
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") == 17
+    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") == 19
     for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png", "depth_by_difficulty.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
