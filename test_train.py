@@ -67,6 +67,48 @@ def test_global_gradient_differs_from_local():
     assert not torch.allclose(grads[0], grads[1])
 
 
+def test_saturated_gates_keep_the_kl_gradient_finite():
+    # In float32 a gate logit of 40 gives λ = 1 exactly, so π(d > 1) underflows to 0; xlogy(p, p) had
+    # the gradient 0/0 = NaN there (a real run on shakespeare_char diverged this way). float64 is the
+    # oracle: its π does not underflow at these logits.
+    g = torch.randn(16, 4) * 3
+    g[:5, 0] = 40.0                      # saturated at depth 1
+    g[5:8, :2] = -40.0                   # saturated "stay" then a normal gate
+    losses = torch.rand(16, 4) * 3
+    prior = train.exit_prior("poisson", 4)
+    for global_kl in (False, True):
+        grads = []
+        for dtype in (torch.float32, torch.float64):
+            gd = g.to(dtype).requires_grad_(True)
+            total, _, reg, _ = train.dense_loss(losses.to(dtype), gd, prior, global_kl=global_kl, beta=0.1)
+            (gr,) = torch.autograd.grad(total, gd)
+            grads.append((float(reg.detach()), gr))
+        (reg32, g32), (reg64, g64) = grads
+        assert torch.isfinite(g32).all() and abs(reg32 - reg64) < 1e-4
+        assert torch.allclose(g32.double(), g64, atol=1e-5, rtol=1e-3)
+
+
+def test_a_diverging_run_stops_with_a_clean_error_and_keeps_its_checkpoint(tmp_path, data_dir, monkeypatch):
+    out = str(tmp_path / "o")
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=6", "--eval_interval=2"]
+    real_step, calls = train.train_step, []
+
+    def diverges(*a, **k):               # the fourth step's loss and gradients are NaN
+        loss, parts, kl_step = real_step(*a, **k)
+        calls.append(1)
+        if len(calls) == 4:
+            for p in a[0].parameters():
+                p.grad.fill_(float("nan"))
+            return float("nan"), parts, kl_step
+        return loss, parts, kl_step
+    monkeypatch.setattr(train, "train_step", diverges)
+    with pytest.raises(UserError, match="diverged at iter 3"):
+        train.main(args)
+    ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    assert ck["iter_num"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
+    assert [r["iter"] for r in read_log(out)][-1] <= 3
+
+
 def test_beta_schedule_knots():
     assert train.beta_schedule(0.0) == 0.0
     assert abs(train.beta_schedule(0.25) - 0.01) < 1e-12

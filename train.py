@@ -129,8 +129,10 @@ def exit_prior(name, U, lam=None):
 
 
 def kl(p, q):
-    """KL(p ‖ q) over the last dim, with 0 log 0 = 0."""
-    return (torch.xlogy(p, p) - p * torch.log(q)).sum(-1)
+    """KL(p ‖ q) over the last dim, with 0 log 0 = 0 and a finite gradient there. A saturated gate
+    makes π(d) underflow to exactly 0, where torch.xlogy(p, p) has the gradient 0/0 = NaN."""
+    p_log_p = p * torch.log(torch.where(p > 0, p, torch.ones_like(p)))
+    return (p_log_p - p * torch.log(q)).sum(-1)
 
 
 def kl_local(pi, prior):
@@ -678,8 +680,12 @@ def main(argv):
             x, y = get_batch(train, c, starts[m * B:(m + 1) * B], device)
             batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(device)))
         train_loss, parts, kl_step = train_step(fwd, batches, iter_num, prior, c, b, ctx, n_micro, world)
-        if c.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
+        # the norm is taken after the gradient all-reduce: every process stops at the same step
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
+        if not (math.isfinite(train_loss) and math.isfinite(float(norm))):
+            raise UserError(f"training diverged at iter {iter_num} (loss {train_loss}, gradient norm {float(norm)}); "
+                            f"nothing was stepped and the checkpoint of the last eval in {c.out_dir} is kept; "
+                            "try a lower --learning_rate or --grad_clip")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         iter_num += 1
