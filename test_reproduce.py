@@ -28,7 +28,8 @@ def hand_made():
             fake_run("syn-local-poisson-s2", "local", seed=2, jumps=0.004, rho=0.07),
             fake_run("syn-global-poisson-s1", jumps=0.19), fake_run("syn-global-poisson-s2", seed=2, jumps=0.21, rho=0.35),
             fake_run("syn-global-poisson-ra-direct", ra="direct", parent="syn-global-poisson-s1", ragged=1.5),
-            fake_run("syn-global-poisson-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2),
+            fake_run("syn-global-poisson-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2,
+                     fixed=(2.0, 1.99, 1.98, 1.99)),
             fake_run("syn-global-uniform-s1", prior="uniform")]
 
 
@@ -44,7 +45,8 @@ def test_claims_are_computed_from_the_numbers():
     ra = next(c for c in cl.values() if "direct" in c["claim"])
     assert ra["holds"] and "ragged@0.5 1.5000 vs fixed@U 1.6500" in ra["numbers"]
     flat = next(c for c in cl.values() if "flat" in c["claim"])
-    assert flat["holds"] and "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
+    assert flat["holds"] and "loss gain of loops 2..U over loop 1: 0.0200 vs 0.3500" in flat["numbers"]
+    assert "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
     frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])
     assert "of 20 (run, τ) points" in frontier["numbers"]   # 5 base runs x 4 thresholds; branches and flat β apart
     rho = next(c for c in cl.values() if "difficulty" in c["claim"])
@@ -54,6 +56,8 @@ def test_claims_are_computed_from_the_numbers():
     worse = hand_made()
     worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
     assert not next(c for c in reproduce.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"]
+    worse[5]["final"]["val_loss_fixed"] = [2.0, 1.7, 1.6, 1.6]        # loops 2..U gain 0.4: no collapse
+    assert not next(c for c in reproduce.claims(worse, [1, 2]) if "flat" in c["claim"])["holds"]
 
 
 def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
