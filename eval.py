@@ -37,7 +37,9 @@ import torch
 
 from configurator import device_rule, parse, run_cli
 from kernels import IMPLS
-from model import UserError, exit_stats, forward_ragged, load_checkpoint, resolve_device, threshold_exit
+from model import (UserError, atomic_write, exit_stats, forward_ragged, load_checkpoint, resolve_device, threshold_exit,
+                   write_json)
+from sample import chat_ids
 from serve_depthbatch import Engine, Request, pool_pages
 
 DEFAULTS = dict(
@@ -231,9 +233,7 @@ def convert(names, out):
         for config in configs:
             rows = load_dataset(path, config, split=split)
             file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
-            with open(file, "w") as f:
-                for r in rows:
-                    f.write(json.dumps(to_item(r)) + "\n")
+            write_lines(file, [json.dumps(to_item(r)) for r in rows])
             print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
 
 
@@ -257,14 +257,6 @@ def gen_prompt_text(item, shots, chat):
     if item.get("extract") == "prefix":
         return head + item["prompt"]
     return head + f"Q: {item['prompt']}\nA:"
-
-
-def chat_ids(text, encode):
-    """ChatML with a system turn and thinking on, as App. E.1 (Ouro Thinking)."""
-    from sample import IM_END, IM_START
-    return ([IM_START] + encode("system\nYou are a helpful assistant.") + [IM_END] + encode("\n")
-            + [IM_START] + encode("user\n" + text) + [IM_END] + encode("\n")
-            + [IM_START] + encode("assistant\n<think>\n"))
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -405,7 +397,8 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
                 ids = list(item["prompt_ids"])
             else:
                 text = gen_prompt_text(item, shots, c["chat"])
-                ids = chat_ids(text, encode) if c["chat"] else encode(text)
+                ids = (chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
+                       if c["chat"] else encode(text))   # App. E.1: Ouro Thinking, thinking on
         cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"], model.config.block_size - len(ids))
         if cap < 1:
             raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "
@@ -581,6 +574,14 @@ def draw_frontier(runs, path, U):
 
 # ----------------------------------------------------------------------------- main
 
+def write_lines(path, lines):
+    """A text file of lines, written atomically (an interrupted run leaves no half file)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in lines)
+    atomic_write(path, write)
+
+
 def merge_repeated(argv, key):
     """--task a --task b -> --task=a,b (the configurator keeps the last of a repeated key)."""
     values, rest, i = [], [], 0
@@ -675,12 +676,10 @@ def main(argv):
                       + ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None), file=sys.stderr)
     if c["lm_eval"]:
         runs += run_lm_eval(model, encode, decode, specs, c, device)
-    with open(os.path.join(c["out"], "results.json"), "w") as f:
-        json.dump({"ckpt": c["ckpt"], "config": {k: c[k] for k in ("n", "k", "shots", "chat", "max_tokens", "temperature",
-                                                                    "top_p", "top_k", "seed")}, "runs": runs}, f, indent=1)
-    with open(os.path.join(c["out"], "records.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
+    write_json(os.path.join(c["out"], "results.json"),
+               {"ckpt": c["ckpt"], "config": {k: c[k] for k in ("n", "k", "shots", "chat", "max_tokens", "temperature",
+                                                                 "top_p", "top_k", "seed")}, "runs": runs})
+    write_lines(os.path.join(c["out"], "records.jsonl"), [json.dumps(r) for r in records])
     if c["plots"] and any(r.get("avg_depth") for r in runs):
         draw_frontier(runs, os.path.join(c["out"], "frontier.png"), U)
     print(json.dumps({"runs": len(runs), "out": c["out"]}))

@@ -28,7 +28,7 @@ import torch
 import prepare_data
 import train
 from configurator import parse, run_cli
-from model import UserError, forward_ragged, load_checkpoint
+from model import UserError, forward_ragged, load_checkpoint, write_json
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
@@ -129,9 +129,7 @@ def run_one(name, spec, c, size, runs):
                                             "large_jump_rate", "exit_fractions")} for r in evals])
     if spec["data"] == "synthetic":
         result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", "synthetic"))
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(result_path + ".tmp", result_path)
+    write_json(result_path, result)
     return result
 
 

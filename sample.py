@@ -102,10 +102,16 @@ def check_chat(meta):
                         f"<|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is for Ouro (Thinking) checkpoints")
 
 
-def chat_ids(ids, encode):
-    """<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n, built from ids so that it
-    works whatever the tokenizer does with special-token strings."""
-    return [IM_START] + encode("user\n") + ids + [IM_END] + encode("\n") + [IM_START] + encode("assistant\n")
+def chat_ids(turns, encode, think=False):
+    """Ouro's ChatML, the one template of sample.py, eval.py and the server: a
+    <|im_start|>{role}\n{content}<|im_end|>\n per (role, content) turn, then <|im_start|>assistant\n
+    (and <think>\n to open the Thinking models' reasoning). Content is text or token ids; the special
+    tokens go in as ids, so it works whatever the tokenizer does with their strings."""
+    ids = []
+    for role, content in turns:
+        body = encode(content) if isinstance(content, str) else list(content)
+        ids += [IM_START] + encode(role + "\n") + body + [IM_END] + encode("\n")
+    return ids + [IM_START] + encode("assistant\n" + ("<think>\n" if think else ""))
 
 
 def prompt_ids(c, meta, encode):
@@ -185,7 +191,7 @@ def main(argv):
         if encode is None:
             raise UserError("--chat needs the model's tokenizer (pip install tokenizers)")
         check_chat(meta)
-        ids = chat_ids(ids, encode)
+        ids = chat_ids([("user", ids)], encode)
     bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
     if bad:
         raise UserError(f"--prompt_ids: token id {bad[0]} is outside this model's vocabulary [0, {model.config.vocab_size})")

@@ -706,11 +706,8 @@ def parse_request(server, body, chat):
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
             raise BadRequest("'messages' must be a non-empty list of {role, content} strings", "messages")
-        from sample import IM_END, IM_START
-        ids = []
-        for m in msgs:
-            ids += [IM_START] + server.encode(m["role"] + "\n" + m["content"]) + [IM_END] + server.encode("\n")
-        ids += [IM_START] + server.encode("assistant\n")
+        from sample import IM_END, chat_ids
+        ids = chat_ids([(m["role"], m["content"]) for m in msgs], server.encode)
         stop_ids = (IM_END,)
     else:
         prompt = body.get("prompt")

@@ -243,6 +243,14 @@ def make_tokenizer(path):
     tok.save(path)
 
 
+def test_chat_template_turns_text_or_ids_and_thinking():
+    enc = lambda s: [ord(ch) for ch in s]           # a character "tokenizer": the template is readable back
+    text = lambda ids: "".join({sample.IM_START: "<S>", sample.IM_END: "<E>"}.get(i, chr(i)) for i in ids)
+    assert text(sample.chat_ids([("user", enc("hi"))], enc)) == "<S>user\nhi<E>\n<S>assistant\n"
+    assert text(sample.chat_ids([("system", "be kind"), ("user", "hi")], enc, think=True)) == \
+        "<S>system\nbe kind<E>\n<S>user\nhi<E>\n<S>assistant\n<think>\n"
+
+
 def test_sample_on_ouro_folder_with_tokenizer_chat_and_ids(tmp_path, monkeypatch, capsys):
     folder = write_folder(str(tmp_path / "ouro"), CFG, ouro_tensors(CFG, seed=2))
     make_tokenizer(os.path.join(folder, "tokenizer.json"))
