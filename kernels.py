@@ -17,6 +17,8 @@ resolves each row's list through its request's table and calls
     returns   [R, Hq, D]
 
 Grouped-query attention when Hq is a multiple of Hkv (query head h reads K/V head h // (Hq/Hkv)).
+The rows of one prompt chunk read one shared key list; paged_chunk_attention(q, k_pages, v_pages,
+page_ids[maxlen], lengths) gathers it once (the engine's prefill path, checked against the above).
 Implementations, each checked against the first:
   torch   gather + masked SDPA: the reference, any device
   triton  flash-decoding on the GPU: one program per (row, K/V head, split) loads the page ids of its
@@ -69,6 +71,26 @@ def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None):
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
     y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale)
     return y[:, :, 0]
+
+
+def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
+    """Rows that share one key list: a prompt (or replay) chunk of one request at one depth, whose
+    rows all read through the same table column, row r the first lengths[r] entries of page_ids
+    (1-D, [maxlen]). Equals paged_attention(q, k_pages, v_pages, page_ids.expand(R, -1), lengths),
+    but gathers the keys once and runs one causal-shaped SDPA, instead of gathering a copy of the
+    keys for every row: prefill attention costs O(n + L) gathers, not O(n * L)."""
+    R, Hq, D = q.shape
+    Hkv, maxlen = k_pages.shape[1], page_ids.shape[0]
+    ids = page_ids.to(q.device).long()
+    seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
+    ids = torch.where(seen, ids, 0)                                      # entries past every length: never read
+    k = k_pages.index_select(0, ids).transpose(0, 1)                      # [Hkv, maxlen, D]
+    v = v_pages.index_select(0, ids).transpose(0, 1)
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=0), v.repeat_interleave(Hq // Hkv, dim=0)
+    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [R, maxlen]
+    y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=valid[None], scale=scale)   # [Hq, R, D]
+    return y.transpose(0, 1)
 
 
 # ----------------------------------------------------------------------------- Triton (flash-decoding)

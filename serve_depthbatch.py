@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from configurator import device_rule, parse, run_cli
-from kernels import IMPLS, paged_attention, resolve_impl
+from kernels import IMPLS, paged_attention, paged_chunk_attention, resolve_impl
 from model import FULL, UserError, at_least_fp32, exit_stats, load_checkpoint, prompt_thresholds, resolve_device, sample_token
 from ragged import PagePool, PoolExhausted, RaggedSeq
 
@@ -108,14 +108,10 @@ class Group:
         self.req, self.start, self.size, self.n_run = req, start, len(ids), n_run
         self.pos = torch.arange(start, start + len(ids))                   # host side: page tables
         self.h = embed(torch.tensor(ids, device=device))                    # [T, C]
-        pdt = at_least_fp32(self.h.dtype)
-        self.survive = torch.ones(len(ids), dtype=pdt, device=device)       # Π (1 - λ) so far (Eq. 4)
-        self.tau = torch.tensor(taus, dtype=pdt, device=device)
-        self.full = torch.tensor(full, dtype=torch.bool, device=device)
-        self.forced = torch.tensor(forced, dtype=torch.long, device=device)  # replayed exits (0: decide)
-        self.exit = torch.zeros(len(ids), dtype=torch.long, device=device)
-        self.keep = keep                                                    # per position: None/"last"/"exit"
-        self.exits = [0] * len(ids)                                         # decided exits, by position
+        self.survive = torch.ones(len(ids), dtype=at_least_fp32(self.h.dtype), device=device)  # Π (1 - λ) (Eq. 4)
+        self.tau, self.full, self.forced = taus, full, forced               # per row still running (host lists);
+        self.keep = keep                                                    # forced: replayed exits (0: decide)
+        self.exits = [0] * len(ids)                                         # decided exits, by position (0: none)
         self.d = 0                                                          # the depth the rows run next
         self.sample_pos = None                                              # whose exit samples a token
 
@@ -123,19 +119,23 @@ class Group:
 class RowsView:
     """The attention hook of one engine step: every row writes its fresh page for this depth in
     every layer, then (all writes first) each row reads keys 0..its position through its own
-    request's table column at its own depth (Eq. 7, Eq. 11) with kernels.paged_attention."""
+    request's table column at its own depth (Eq. 7, Eq. 11). parts: (page_ids, lengths) for
+    consecutive rows; a 2-D page_ids is one kernels.paged_attention call (the decode rows, one per
+    request), a 1-D one a prompt chunk whose rows share their keys (kernels.paged_chunk_attention)."""
 
-    def __init__(self, pool, pages, page_ids, lengths, impl):
-        self.pool, self.pages, self.page_ids, self.lengths, self.impl = pool, pages, page_ids, lengths, impl
+    def __init__(self, pool, pages, parts, impl):
+        self.pool, self.pages, self.parts, self.impl = pool, pages, parts, impl
 
     def attend(self, layer, q, k, v):
         pool = self.pool
         pool.k[layer, self.pages] = k[0].transpose(0, 1)                    # [R, Hkv, D]
         pool.v[layer, self.pages] = v[0].transpose(0, 1)
         pool.writes += len(self.pages)
-        y = paged_attention(q[0].transpose(0, 1), pool.k[layer], pool.v[layer], self.page_ids, self.lengths,
-                            impl=self.impl)
-        return y.transpose(0, 1)[None]                                      # (1, Hq, R, D)
+        qs = q[0].transpose(0, 1).split([len(lengths) for _, lengths in self.parts])    # [R, Hq, D] in parts
+        ys = [paged_chunk_attention(qp, pool.k[layer], pool.v[layer], ids, lengths) if ids.dim() == 1 else
+              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl)
+              for qp, (ids, lengths) in zip(qs, self.parts)]
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
 
 class Engine:
@@ -367,63 +367,52 @@ class Engine:
         batch = self._allocate()
         if not batch:
             return []
+        batch.sort(key=lambda gp: len(gp[0].pos) > 1)      # one-row groups first: one attention call for them all
         groups = [g for g, _ in batch]
         for g, pages in batch:
             g.req.seq.write_pages(g.pos, g.d, pages)          # writes never go through an alias
         sizes = [len(g.pos) for g in groups]
         pos = torch.cat([g.pos for g in groups])
-        R, maxlen = len(pos), int(pos.max()) + 1
-        page_ids = torch.full((R, maxlen), -1, dtype=torch.long)
-        row = 0
-        for g, n in zip(groups, sizes):
-            n_keys = int(g.pos.max()) + 1
-            page_ids[row:row + n, :n_keys] = g.req.seq.table[:n_keys, g.d]   # column d: Eq. 7 via Eq. 11
-            row += n
         dev = self.device
-        view = RowsView(self.pool, torch.cat([p for _, p in batch]).to(dev), page_ids.to(dev), (pos + 1).to(dev),
-                        self.attn)
+        view = RowsView(self.pool, torch.cat([p for _, p in batch]).to(dev), self._attention_parts(groups), self.attn)
         h = torch.cat([g.h for g in groups])
         cos, sin = self.model.rope(pos.to(dev), h.dtype)
         hn, gate, h_next = self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
-        # Eq. 4 online, per row with its own τ; replayed rows exit where they exited before
-        d = torch.cat([torch.full((n,), g.d, device=dev) for g, n in zip(groups, sizes)])
-        n_run = torch.cat([torch.full((n,), g.n_run, device=dev) for g, n in zip(groups, sizes)])
+        # Eq. 4 online, per row with its own τ; the decisions are made on the host (one copy per step)
         survive = torch.cat([g.survive for g in groups]) * (1 - torch.sigmoid(gate.to(at_least_fp32(gate.dtype))))
-        forced = torch.cat([g.forced for g in groups])
-        now = torch.where(forced > 0, forced == d + 1, (1 - survive) >= torch.cat([g.tau for g in groups]))
-        last = d == n_run - 1
-        new = (torch.cat([g.exit for g in groups]) == 0) & (now | last)
-        stop = (new & ~torch.cat([g.full for g in groups])) | last
-        new_c, stop_c = new.cpu(), stop.cpu()
+        hit = ((1 - survive).cpu() >= torch.tensor([t for g in groups for t in g.tau], dtype=survive.dtype)).tolist()
         self._count(groups, sizes, steady)
         emitted, to_sample, row = [], [], 0
         for g, n in zip(groups, sizes):
+            last, keep = g.d == g.n_run - 1, []
+            for i, p in enumerate(g.pos.tolist()):
+                now = g.forced[i] == g.d + 1 if g.forced[i] else hit[row + i]   # replayed rows exit where they did
+                if g.exits[p - g.start] == 0 and (now or last):
+                    g.exits[p - g.start] = g.d + 1
+                    if p == g.sample_pos:
+                        to_sample.append((g.req, row + i))
+                    keep.append(g.full[i] and not last)          # a full row (Dense prompt) runs on to depth U
+                else:
+                    keep.append(not last)
             sl = slice(row, row + n)
-            nw, st = new_c[sl], stop_c[sl]
-            r = g.req
-            for i in torch.nonzero(nw).flatten().tolist():
-                p = int(g.pos[i])
-                g.exits[p - g.start] = g.d + 1
-                if p == g.sample_pos:
-                    to_sample.append((r, row + i))
-            g.exit = torch.where(new[sl], g.d + 1, g.exit)
-            if st.any():
-                stopped = g.pos[st]
-                r.seq.stop(stopped, g.d)                                  # Eq. 11: deeper rows alias P_{i,e_i}
-                self._keep(g, stopped)
-                keep = ~st
-                g.pos, g.h, g.survive = g.pos[keep], h_next[sl][keep.to(dev)], survive[sl][keep.to(dev)]
-                g.tau, g.full, g.forced, g.exit = (t[keep.to(dev)] for t in (g.tau, g.full, g.forced, g.exit))
-            else:
+            if all(keep):
                 g.h, g.survive = h_next[sl], survive[sl]
+            else:
+                kept = torch.tensor(keep)
+                stopped = g.pos[~kept]
+                g.req.seq.stop(stopped, g.d)                              # Eq. 11: deeper rows alias P_{i,e_i}
+                self._keep(g, stopped)
+                g.pos, g.h, g.survive = g.pos[kept], h_next[sl][kept.to(dev)], survive[sl][kept.to(dev)]
+                g.tau, g.full, g.forced = ([x for x, k in zip(v, keep) if k] for v in (g.tau, g.full, g.forced))
             g.d += 1
             row += n
         if to_sample:
             logits = self.model.lm_head(hn[[i for _, i in to_sample]])
-            for (r, _), lg in zip(to_sample, logits):
+            greedy = logits.argmax(-1).tolist()                   # temperature 0, for every row in one call
+            for (r, _), lg, top in zip(to_sample, logits, greedy):
                 if r.keep_logits:
                     r.logits.append(lg.detach().cpu())
-                tok = sample_token(lg if r.temperature == 0 else lg.cpu(), r.temperature, r.top_k, r.top_p, r.generator)
+                tok = top if r.temperature == 0 else sample_token(lg.cpu(), r.temperature, r.top_k, r.top_p, r.generator)
                 r.tokens.append(tok)
                 emitted.append((r, tok))
                 if r.on_token is not None:
@@ -440,6 +429,27 @@ class Engine:
                 if r.ending and r.done >= self._runnable(r):
                     self._finish(r, r.finish_reason)
         return emitted
+
+    def _attention_parts(self, groups):
+        """What each row reads: entries 0..its position of its request's table column at its depth
+        (Eq. 7 via Eq. 11). The one-row groups (decode tokens) go in one padded [rows, maxlen] table;
+        each longer group (a prompt chunk) keeps its one shared list, so that prompt rows are not
+        padded to the longest decode row nor gathered once per row. Flex takes every row at once."""
+        flat = groups if self.attn == "flex" else [g for g in groups if len(g.pos) == 1]
+        parts = []
+        if flat:
+            pos = torch.cat([g.pos for g in flat])
+            page_ids = torch.full((len(pos), int(pos.max()) + 1), -1, dtype=torch.long)
+            row = 0
+            for g in flat:
+                n_keys = int(g.pos.max()) + 1
+                page_ids[row:row + len(g.pos), :n_keys] = g.req.seq.table[:n_keys, g.d]   # column d
+                row += len(g.pos)
+            parts.append((page_ids.to(self.device), (pos + 1).to(self.device)))
+        for g in groups[len(flat):]:
+            n_keys = int(g.pos.max()) + 1
+            parts.append((g.req.seq.table[:n_keys, g.d].to(self.device), (g.pos + 1).to(self.device)))
+        return parts
 
     def _keep(self, g, stopped):
         """Table 17 baselines: a finished token is read at one depth from then on."""

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import paged_attention, paged_attention_flex, paged_attention_torch, paged_attention_triton
+from kernels import (paged_attention, paged_attention_flex, paged_attention_torch, paged_attention_triton,
+                     paged_chunk_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,6 +54,24 @@ def test_torch_reference_equals_a_float64_loop(R, Hq, Hkv, D, maxlen):
         scale = random.choice([None, 0.3])
         assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, scale), loop_reference(q, k, v, ids, lengths, scale),
                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen", [(6, 4, 4, 16, 6), (5, 8, 2, 32, 70), (1, 4, 1, 64, 9), (40, 4, 4, 16, 64)])
+def test_chunk_attention_equals_a_float64_loop_over_the_shared_list(R, Hq, Hkv, D, maxlen):
+    """The rows of one prompt chunk share one key list, each reading its own prefix of it. Rows need
+    not be consecutive (rows of an ETE chunk leave as they exit); what lies past the longest row
+    (-1 or valid ids) is never read."""
+    for pad in ("minus_one", "valid_ids"):
+        P = 2 * maxlen
+        q = torch.randn(R, Hq, D, dtype=torch.float64)
+        k, v = torch.randn(P, Hkv, D, dtype=torch.float64), torch.randn(P, Hkv, D, dtype=torch.float64)
+        ids = torch.randperm(P)[:maxlen]
+        lengths = torch.randperm(maxlen)[:R].sort().values + 1             # distinct positions, any gaps
+        longest = int(lengths.max())
+        ids[longest:] = -1 if pad == "minus_one" else torch.randint(0, P, (maxlen - longest,))
+        scale = random.choice([None, 0.3])
+        out = paged_chunk_attention(q, k, v, ids, lengths, scale)
+        assert torch.allclose(out, loop_reference(q, k, v, ids.expand(R, -1), lengths, scale), atol=1e-12, rtol=0)
 
 
 CASES = [  # R, Hq, Hkv (GQA 1 and 4), D (16..128), maxlen (1..a few hundred), splits (None: the heuristic)
