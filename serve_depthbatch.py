@@ -523,25 +523,35 @@ def workload(n, prompt_range, output_range, vocab, seed):
 
 
 def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn):
-    """One engine run of the whole workload. Throughput and passes are measured while requests were
-    waiting (the batch could be full: a loaded server); the tail, where the last requests finish
-    alone, is reported apart. Returns the record of the JSON line."""
+    """One engine run of the whole workload. Returns the record of the JSON line.
+
+    Throughput (tok_s) is that of a loaded server in its steady state: measured from the end of the
+    first request to the last admission. Before the first end every request in flight started at
+    once (a burst of prompts, nothing finishing); after the last admission the batch drains. The
+    window from the start to the last admission would hold every prompt but only part of the
+    decoding (30-40% more prompt rows per decode row than the workload has); this one holds them in
+    the workload's proportion (mix_window against mix_run). Passes and the work-conserving bound
+    count every pass while requests were waiting (the bound holds only then). The whole run, tail
+    included, is in tok_s_total and passes_total."""
     U = model.config.n_loops
     e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
     reqs = [Request(p, o, mode, thr) for p, o in work]
     for r in reqs:
         e.add(r)
-    seconds = steady_seconds = 0.0
-    steady_tokens = 0
+    seconds = window_seconds = 0.0
+    window_tokens = window_prefill = window_decode = 0
     while e.busy():
-        steady = len(e.waiting) > 0
+        measured = len(e.waiting) > 0 and (len(e.finished) > 0 or batch == 1)   # at batch 1 there is no burst
+        before = e.stats["prefill_rows"], e.stats["decode_rows"]
         t0 = time.perf_counter()
         out = e.step()
         dt = time.perf_counter() - t0
         seconds += dt
-        if steady:
-            steady_seconds += dt
-            steady_tokens += len(out)
+        if measured:
+            window_seconds += dt
+            window_tokens += len(out)
+            window_prefill += e.stats["prefill_rows"] - before[0]
+            window_decode += e.stats["decode_rows"] - before[1]
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
     s = e.stats
     dec = [x for r in reqs for x in r.decode_exits]
@@ -551,7 +561,9 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
     tokens = sum(len(r.tokens) for r in reqs)
     avg = sum(dec) / max(len(dec), 1)
     return dict(scheduler=scheduler, mode=mode, thr=None if mode == "fixed" else thr, batch=batch,
-                tok_s=steady_tokens / steady_seconds, tok_s_total=tokens / seconds, seconds=seconds,
+                tok_s=window_tokens / window_seconds if window_seconds else None, tok_s_total=tokens / seconds,
+                seconds=seconds, window_seconds=window_seconds,
+                mix_window=window_prefill / max(window_decode, 1), mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
                 requests_s=len(reqs) / seconds, passes=s["steady_passes"], lower_bound=s["steady_slots"] / batch,
                 decode_bound=s["steady_decode_rows"] / batch,
                 passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, kv_physical=kv_physical,
@@ -579,12 +591,15 @@ def bench(c):
         raise UserError(f"the workload needs a context of {prompts[1] + outputs[1]} tokens; the model has "
                         f"block_size={cfg.block_size}")
     thr = c["thr"] if c["thr"] is not None else 0.5
+    if c["requests"] and c["requests"] < 2 * max(batches):
+        raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest batch "
+                        f"({2 * max(batches)}), so that requests wait while the batch runs full")
     configs = [("fixed", "fixed")] + [(s, m) for m in ("dense_ragged", "ete_ragged") for s in ("continuous", "nested")]
     from tqdm import tqdm
     bar = tqdm(total=len(batches) * len(configs) * c["repeats"], desc="bench", file=sys.stderr, disable=None)
     runs = []
     for B in batches:
-        n = c["requests"] or (256 if full else max(2 * B, 8))
+        n = c["requests"] or (256 if full else max(2 * B, 16))
         work = workload(n, prompts, outputs, cfg.vocab_size, c["seed"])
         pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
         tries = {k: [] for k in configs}
@@ -616,16 +631,18 @@ def bench(c):
 def print_bench(runs, capacity, pages, U):
     err = sys.stderr
     print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'tok/s':>8}{'x fixed':>8}{'ideal':>7}{'work':>6}{'Ē dec':>7}"
-          f"{'passes':>8}{'bound':>8}{'ratio':>7}{'KV phys/dense':>16}{'peak':>6}", file=err)
+          f"{'passes':>8}{'bound':>8}{'ratio':>7}{'KV phys/dense':>16}{'peak':>6}{'mix win/run':>12}", file=err)
     for r in runs:
         ratio = r["passes"] / r["lower_bound"] if r["lower_bound"] else float("nan")
         print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['tok_s']:>8.1f}{r['ratio_vs_fixed']:>8.2f}"
               f"{r['ideal_ratio']:>7.2f}{r['work_ratio']:>6.2f}{r['avg_decode_depth']:>7.2f}{r['passes']:>8}"
-              f"{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}", file=err)
-    print("tok/s, passes and bound: while requests were waiting (every pass could be full: a loaded server), fastest of "
-          "the repeats. bound = the work-conserving bound: depths run by requests (a prompt chunk or a decode token "
-          "each: one row of the batch) / batch. Targets for continuous: ratio <= 1.05, x fixed >= 0.9 x ideal "
-          "(ideal = U/Ē); work = row-depths of fixed / of this run, prefill included", file=err)
+              f"{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}"
+              f"{r['mix_window']:>7.2f}/{r['mix_run']:.2f}", file=err)
+    print("tok/s: from the first request's end to the last admission (a loaded server), fastest of the repeats; "
+          "mix = prompt rows per decode row in that window / in the whole run. passes and bound: while requests "
+          "were waiting; bound = the work-conserving bound: depths run by requests (a prompt chunk or a decode "
+          "token each: one row of the batch) / batch. Targets for continuous: ratio <= 1.05, x fixed >= 0.9 x "
+          "ideal (ideal = U/Ē); work = row-depths of fixed / of this run, prefill included", file=err)
     print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
           "request submitted at once, whole run", file=err)
     print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}{'peak':>6}",

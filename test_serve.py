@@ -135,6 +135,33 @@ def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not()
     assert ratio["continuous"] == 1.0 and ratio["nested"] > 1.2
 
 
+def test_bench_prints_a_consistent_json_line(capsys):
+    """A small --bench (batch 2, 4 requests): the last stdout line is strict JSON with every field the
+    issue names; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets it,
+    fixed is the unit of ratio_vs_fixed and of ideal_ratio, the capacity runs stay in their pool."""
+    import json
+    import serve_depthbatch
+    serve_depthbatch.main(["--bench", "--batches=2", "--requests=4", "--repeats=1"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    json.dumps(out, allow_nan=False)
+    U = out["model"]["n_loops"]
+    runs = {(r["scheduler"], r["mode"]): r for r in out["runs"]}
+    assert set(runs) == {("fixed", "fixed")} | {(s, m) for s in ("continuous", "nested") for m in ("dense_ragged", "ete_ragged")}
+    for r in out["runs"]:
+        for key in ("scheduler", "mode", "thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound",
+                    "avg_decode_depth", "ideal_ratio", "kv_physical", "kv_dense", "sum_exits", "peak_pages",
+                    "max_in_flight", "mix_window", "mix_run"):
+            assert key in r, key
+        assert r["kv_physical"] == r["sum_exits"] <= r["kv_dense"] and r["tok_s"] > 0 and r["max_in_flight"] <= 2
+        assert r["passes"] >= r["lower_bound"] - 1e-9
+        assert abs(r["ideal_ratio"] - U / r["avg_decode_depth"]) < 1e-3
+    assert runs["fixed", "fixed"]["ratio_vs_fixed"] == 1 and runs["fixed", "fixed"]["avg_decode_depth"] == U
+    for mode in ("dense_ragged", "ete_ragged"):
+        assert runs["continuous", mode]["passes"] <= 1.05 * runs["continuous", mode]["lower_bound"]
+    cap = out["capacity"]
+    assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
+
+
 def test_fixed_scheduler_runs_every_token_all_loops():
     model = varied_model()
     reqs = [Request(prompt(6 + i), 8, "ete_ragged", 0.3) for i in range(4)]
