@@ -530,16 +530,19 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
     once (a burst of prompts, nothing finishing); after the last admission the batch drains. The
     window from the start to the last admission would hold every prompt but only part of the
     decoding (30-40% more prompt rows per decode row than the workload has); this one holds them in
-    the workload's proportion (mix_window against mix_run). Passes and the work-conserving bound
-    count every pass while requests were waiting (the bound holds only then). The whole run, tail
-    included, is in tok_s_total and passes_total."""
+    the workload's proportion (mix_window against mix_run). avg_decode_depth and ideal_ratio are
+    those of the tokens sampled in the window, the ones tok_s counts (avg_decode_depth_run: all of
+    them): a window of harder tokens is not held to the ideal of easier ones. Passes and the
+    work-conserving bound count every pass while requests were waiting (the bound holds only then).
+    The whole run, tail included, is in tok_s_total and passes_total."""
     U = model.config.n_loops
     e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
     reqs = [Request(p, o, mode, thr) for p, o in work]
     for r in reqs:
         e.add(r)
     seconds = window_seconds = 0.0
-    window_tokens = window_prefill = window_decode = 0
+    window_prefill = window_decode = 0
+    window_tokens = []                                  # (request, index) of every token sampled in the window
     while e.busy():
         measured = len(e.waiting) > 0 and (len(e.finished) > 0 or batch == 1)   # at batch 1 there is no burst
         before = e.stats["prefill_rows"], e.stats["decode_rows"]
@@ -549,7 +552,7 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
         seconds += dt
         if measured:
             window_seconds += dt
-            window_tokens += len(out)
+            window_tokens += [(r, len(r.tokens) - 1) for r, _ in out]
             window_prefill += e.stats["prefill_rows"] - before[0]
             window_decode += e.stats["decode_rows"] - before[1]
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
@@ -559,15 +562,17 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
     if s["preemptions"] == 0:   # pages are exactly Σ e_i (prompt rows at depth U in Dense-Ragged)
         assert kv_physical == sum_exits == s["rows"], (kv_physical, sum_exits, s["rows"])
     tokens = sum(len(r.tokens) for r in reqs)
-    avg = sum(dec) / max(len(dec), 1)
+    avg_run = sum(dec) / max(len(dec), 1)
+    win = [r.decode_exits[i - 1] for r, i in window_tokens if i > 0]    # token i was sampled at decode row i - 1
+    avg = sum(win) / len(win) if win else avg_run
     return dict(scheduler=scheduler, mode=mode, thr=None if mode == "fixed" else thr, batch=batch,
-                tok_s=window_tokens / window_seconds if window_seconds else None, tok_s_total=tokens / seconds,
+                tok_s=len(window_tokens) / window_seconds if window_seconds else None, tok_s_total=tokens / seconds,
                 seconds=seconds, window_seconds=window_seconds,
                 mix_window=window_prefill / max(window_decode, 1), mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
                 requests_s=len(reqs) / seconds, passes=s["steady_passes"], lower_bound=s["steady_slots"] / batch,
                 decode_bound=s["steady_decode_rows"] / batch,
-                passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, kv_physical=kv_physical,
-                kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits, peak_pages=e.pool.peak,
+                passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, avg_decode_depth_run=avg_run,
+                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits, peak_pages=e.pool.peak,
                 max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens, row_depths=s["rows"])
 
 
@@ -639,7 +644,8 @@ def print_bench(runs, capacity, pages, U):
               f"{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}"
               f"{r['mix_window']:>7.2f}/{r['mix_run']:.2f}", file=err)
     print("tok/s: from the first request's end to the last admission (a loaded server), fastest of the repeats; "
-          "mix = prompt rows per decode row in that window / in the whole run. passes and bound: while requests "
+          "Ē dec and ideal: of the tokens sampled in that window; mix = prompt rows per decode row in that "
+          "window / in the whole run. passes and bound: while requests "
           "were waiting; bound = the work-conserving bound: depths run by requests (a prompt chunk or a decode "
           "token each: one row of the batch) / batch. Targets for continuous: ratio <= 1.05, x fixed >= 0.9 x "
           "ideal (ideal = U/Ē); work = row-depths of fixed / of this run, prefill included", file=err)
