@@ -397,10 +397,14 @@ class Engine:
             sl = slice(row, row + n)
             if all(keep):
                 g.h, g.survive = h_next[sl], survive[sl]
+            elif not any(keep):                                           # every row stopped (a decode token)
+                g.req.seq.stop(g.pos, g.d)                                # Eq. 11: deeper rows alias P_{i,e_i}
+                self._keep(g, g.pos)
+                g.pos = g.pos[:0]
             else:
                 kept = torch.tensor(keep)
                 stopped = g.pos[~kept]
-                g.req.seq.stop(stopped, g.d)                              # Eq. 11: deeper rows alias P_{i,e_i}
+                g.req.seq.stop(stopped, g.d)
                 self._keep(g, stopped)
                 g.pos, g.h, g.survive = g.pos[kept], h_next[sl][kept.to(dev)], survive[sl][kept.to(dev)]
                 g.tau, g.full, g.forced = ([x for x, k in zip(v, keep) if k] for v in (g.tau, g.full, g.forced))
