@@ -533,7 +533,8 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
     first request to the last admission. Before the first end every request in flight started at
     once (a burst of prompts, nothing finishing); after the last admission the batch drains. The
     window from the start to the last admission would hold every prompt but only part of the
-    decoding (30-40% more prompt rows per decode row than the workload has); this one holds them in
+    decoding (with 2 x batch requests, 30-40% more prompt rows per decode row than the workload
+    has); this one holds them in
     the workload's proportion (mix_window against mix_run). avg_decode_depth and ideal_ratio are
     those of the tokens sampled in the window, the ones tok_s counts (avg_decode_depth_run: all of
     them): a window of harder tokens is not held to the ideal of easier ones. Passes and the
@@ -967,7 +968,7 @@ DEFAULTS = dict(
     bench=False,           # run the benchmark instead of serving; the last stdout line is JSON
     full=False,            # bench: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     batches="",            # bench: batch sizes, comma-separated (default 1,4,8,32)
-    requests=0,            # bench: requests per batch size (0: 2 x batch, at least 8; 256 with --full)
+    requests=0,            # bench: requests per batch size (0: 2 x batch, at least 16; 256 with --full)
     repeats=2,             # bench: runs of each configuration, interleaved; the fastest counts
     thr=None,              # bench: the exit threshold of the ragged modes (default 0.5)
     seed=0,                # bench: seeds the random model and the workload
