@@ -109,8 +109,8 @@ class Group:
         self.pos = torch.arange(start, start + len(ids))                   # host side: page tables
         self.h = embed(torch.tensor(ids, device=device))                    # [T, C]
         self.survive = torch.ones(len(ids), dtype=at_least_fp32(self.h.dtype), device=device)  # Π (1 - λ) (Eq. 4)
-        self.tau, self.full, self.forced = taus, full, forced               # per row still running (host lists);
-        self.keep = keep                                                    # forced: replayed exits (0: decide)
+        self.tau, self.full, self.forced = taus, full, forced               # host lists, per row still running;
+        self.keep = keep                                                    # forced: a replayed exit (0: decide)
         self.exits = [0] * len(ids)                                         # decided exits, by position (0: none)
         self.d = 0                                                          # the depth the rows run next
         self.sample_pos = None                                              # whose exit samples a token
@@ -397,17 +397,15 @@ class Engine:
             sl = slice(row, row + n)
             if all(keep):
                 g.h, g.survive = h_next[sl], survive[sl]
-            elif not any(keep):                                           # every row stopped (a decode token)
-                g.req.seq.stop(g.pos, g.d)                                # Eq. 11: deeper rows alias P_{i,e_i}
-                self._keep(g, g.pos)
-                g.pos = g.pos[:0]
             else:
                 kept = torch.tensor(keep)
                 stopped = g.pos[~kept]
-                g.req.seq.stop(stopped, g.d)
+                g.req.seq.stop(stopped, g.d)                              # Eq. 11: deeper rows alias P_{i,e_i}
                 self._keep(g, stopped)
-                g.pos, g.h, g.survive = g.pos[kept], h_next[sl][kept.to(dev)], survive[sl][kept.to(dev)]
-                g.tau, g.full, g.forced = ([x for x, k in zip(v, keep) if k] for v in (g.tau, g.full, g.forced))
+                g.pos = g.pos[kept]
+                if any(keep):                  # some rows go on (a decode token's one row usually has stopped)
+                    g.h, g.survive = h_next[sl][kept.to(dev)], survive[sl][kept.to(dev)]
+                    g.tau, g.full, g.forced = ([x for x, k in zip(v, keep) if k] for v in (g.tau, g.full, g.forced))
             g.d += 1
             row += n
         if to_sample:
@@ -549,7 +547,7 @@ def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn
     window_prefill = window_decode = 0
     window_tokens = []                                  # (request, index) of every token sampled in the window
     while e.busy():
-        measured = len(e.waiting) > 0 and (len(e.finished) > 0 or batch == 1)   # at batch 1 there is no burst
+        measured = len(e.waiting) > 0 and len(e.finished) > 0
         before = e.stats["prefill_rows"], e.stats["decode_rows"]
         t0 = time.perf_counter()
         out = e.step()
