@@ -104,16 +104,17 @@ class Group:
     """The rows of one request in flight: consecutive positions that started together and run
     depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they stop."""
 
-    def __init__(self, req, start, ids, taus, full, forced, keep, n_run, device, embed):
+    def __init__(self, req, start, ids, taus, full, forced, keep, n_run):
         self.req, self.start, self.size, self.n_run = req, start, len(ids), n_run
-        self.pos = torch.arange(start, start + len(ids))                   # host side: page tables
-        self.h = embed(torch.tensor(ids, device=device))                    # [T, C]
-        self.survive = torch.ones(len(ids), dtype=at_least_fp32(self.h.dtype), device=device)  # Π (1 - λ) (Eq. 4)
-        self.tau, self.full, self.forced = taus, full, forced               # host lists, per row still running;
-        self.keep = keep                                                    # forced: a replayed exit (0: decide)
-        self.exits = [0] * len(ids)                                         # decided exits, by position (0: none)
-        self.d = 0                                                          # the depth the rows run next
-        self.sample_pos = None                                              # whose exit samples a token
+        self.pos = torch.arange(start, start + len(ids))   # host side: page tables
+        self.ids = ids                                      # token ids; the first step embeds all new groups at once
+        self.h = None                                       # [T, C] on the device, from the first step
+        self.survive = None                                 # Π (1 - λ) so far (Eq. 4), from the first step
+        self.tau, self.full, self.forced = taus, full, forced   # host lists, per row still running;
+        self.keep = keep                                    # forced: a replayed exit (0: decide)
+        self.exits = [0] * len(ids)                         # decided exits, by position (0: none)
+        self.d = 0                                          # the depth the rows run next
+        self.sample_pos = None                              # whose exit samples a token
 
 
 class RowsView:
@@ -252,8 +253,7 @@ class Engine:
             keep.append(keep_rule)
         if end > r.seq.n:
             r.seq.extend(end - r.seq.n)           # the sequence's table covers every position started
-        g = Group(r, start, ctx[start:end], taus, full, forced, keep, self.n_run(r), self.device,
-                  self.model.embed_tokens)
+        g = Group(r, start, ctx[start:end], taus, full, forced, keep, self.n_run(r))
         if end == len(ctx):                     # the newest token: its exit samples the next one
             g.sample_pos = end - 1
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
@@ -362,7 +362,8 @@ class Engine:
         """One pass of the block over every in-flight row. Returns [(request, token)] sampled."""
         for r in [r for r in list(self.running) + list(self.waiting) if r.cancelled]:
             self._finish(r, "cancelled")
-        steady = len(self.waiting) > 0
+        # requests wait, enough to fill the batch: a work-conserving scheduler would run a full pass
+        steady = len(self.waiting) > 0 and len(self.waiting) + len(self.running) >= self.max_batch
         self._start_groups()
         batch = self._allocate()
         if not batch:
@@ -375,6 +376,7 @@ class Engine:
         pos = torch.cat([g.pos for g in groups])
         dev = self.device
         view = RowsView(self.pool, torch.cat([p for _, p in batch]).to(dev), self._attention_parts(groups), self.attn)
+        self._embed_new(groups)
         h = torch.cat([g.h for g in groups])
         cos, sin = self.model.rope(pos.to(dev), h.dtype)
         hn, gate, h_next = self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
@@ -398,14 +400,15 @@ class Engine:
             if all(keep):
                 g.h, g.survive = h_next[sl], survive[sl]
             else:
-                kept = torch.tensor(keep)
-                stopped = g.pos[~kept]
-                g.req.seq.stop(stopped, g.d)                              # Eq. 11: deeper rows alias P_{i,e_i}
-                self._keep(g, stopped)
-                g.pos = g.pos[kept]
-                if any(keep):                  # some rows go on (a decode token's one row usually has stopped)
+                if any(keep):                  # some rows go on
+                    kept = torch.tensor(keep)
+                    stopped, g.pos = g.pos[~kept], g.pos[kept]
                     g.h, g.survive = h_next[sl][kept.to(dev)], survive[sl][kept.to(dev)]
                     g.tau, g.full, g.forced = ([x for x, k in zip(v, keep) if k] for v in (g.tau, g.full, g.forced))
+                else:                          # all stopped (a decode token's one row, most often): no indexing
+                    stopped, g.pos = g.pos, g.pos[:0]
+                g.req.seq.stop(stopped, g.d)                              # Eq. 11: deeper rows alias P_{i,e_i}
+                self._keep(g, stopped)
             g.d += 1
             row += n
         if to_sample:
@@ -431,6 +434,16 @@ class Engine:
                 if r.ending and r.done >= self._runnable(r):
                     self._finish(r, r.finish_reason)
         return emitted
+
+    def _embed_new(self, groups):
+        """The groups that start in this step (decode tokens, prompt chunks) are embedded in one call."""
+        new = [g for g in groups if g.h is None]
+        if new:
+            ids = torch.tensor([t for g in new for t in g.ids], device=self.device)
+            hs = self.model.embed_tokens(ids)
+            ones = torch.ones(len(ids), dtype=at_least_fp32(hs.dtype), device=self.device)   # nothing exited yet
+            for g, h, s in zip(new, hs.split([g.size for g in new]), ones.split([g.size for g in new])):
+                g.h, g.survive = h, s
 
     def _attention_parts(self, groups):
         """What each row reads: entries 0..its position of its request's table column at its depth
@@ -469,7 +482,7 @@ class Engine:
         s["decode_rows"] += dec
         s["prefill_rows"] += sum(sizes) - dec
         s["max_in_flight"] = max(s["max_in_flight"], len(self.running))
-        if steady:   # the queue was not empty: a work-conserving scheduler could fill every pass
+        if steady:   # the passes and slots that the work-conserving bound speaks of
             s["steady_passes"] += 1
             s["steady_slots"] += len(groups)   # requests that ran a depth (a prompt chunk is one wide row)
             s["steady_decode_rows"] += dec
@@ -524,59 +537,86 @@ def workload(n, prompt_range, output_range, vocab, seed):
     return out
 
 
-def bench_run(model, work, scheduler, mode, thr, batch, kv_pages, max_rows, attn):
-    """One engine run of the whole workload. Returns the record of the JSON line.
+TURN = 0.05   # bench: seconds one configuration runs before the next takes its turn
+
+
+def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None):
+    """Every (scheduler, mode) in configs serves the whole workload on its own engine and pool; the
+    engines take turns of about TURN seconds of steps until all are done. Returns their records.
+
+    Why turns: timings on a shared machine drift by 10% or more within a minute, so that runs one
+    after the other compare a fast spell with a slow one; in turns of 50 ms a slow spell hits every
+    configuration alike, and their ratios hold from run to run. A turn is long enough that each
+    engine runs with its own data in cache (tens of passes at batch 1). bar: a tqdm of requests done."""
+    runs = []
+    for scheduler, mode in configs:
+        e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
+        reqs = [e.add(Request(p, o, mode, thr)) for p, o in work]
+        runs.append(dict(engine=e, reqs=reqs, seconds=0.0, window_seconds=0.0, window_rows=[0, 0], window_tokens=[]))
+    while any(run["engine"].busy() for run in runs):
+        for run in runs:
+            turn = time.perf_counter()
+            done = len(run["engine"].finished)
+            while run["engine"].busy() and time.perf_counter() - turn < TURN:
+                timed_step(run)
+            if bar is not None:
+                bar.update(len(run["engine"].finished) - done)
+    return [bench_record(run, thr, batch) for run in runs]
+
+
+def timed_step(run):
+    """One engine step, timed; counted in the throughput window from the end of the first request
+    to the last admission."""
+    e = run["engine"]
+    measured = len(e.waiting) > 0 and len(e.finished) > 0
+    before = e.stats["prefill_rows"], e.stats["decode_rows"]
+    t0 = time.perf_counter()
+    out = e.step()
+    dt = time.perf_counter() - t0
+    run["seconds"] += dt
+    if measured:
+        run["window_seconds"] += dt
+        run["window_tokens"] += [(r, len(r.tokens) - 1) for r, _ in out]   # (request, index) of every token
+        run["window_rows"][0] += e.stats["prefill_rows"] - before[0]
+        run["window_rows"][1] += e.stats["decode_rows"] - before[1]
+
+
+def bench_record(run, thr, batch):
+    """The record of one engine's run for the JSON line.
 
     Throughput (tok_s) is that of a loaded server in its steady state: measured from the end of the
     first request to the last admission. Before the first end every request in flight started at
     once (a burst of prompts, nothing finishing); after the last admission the batch drains. The
     window from the start to the last admission would hold every prompt but only part of the
     decoding (with 2 x batch requests, 30-40% more prompt rows per decode row than the workload
-    has); this one holds them in
-    the workload's proportion (mix_window against mix_run). avg_decode_depth and ideal_ratio are
-    those of the tokens sampled in the window, the ones tok_s counts (avg_decode_depth_run: all of
-    them): a window of harder tokens is not held to the ideal of easier ones. Passes and the
-    work-conserving bound count every pass while requests were waiting (the bound holds only then).
-    The whole run, tail included, is in tok_s_total and passes_total."""
-    U = model.config.n_loops
-    e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
-    reqs = [Request(p, o, mode, thr) for p, o in work]
-    for r in reqs:
-        e.add(r)
-    seconds = window_seconds = 0.0
-    window_prefill = window_decode = 0
-    window_tokens = []                                  # (request, index) of every token sampled in the window
-    while e.busy():
-        measured = len(e.waiting) > 0 and len(e.finished) > 0
-        before = e.stats["prefill_rows"], e.stats["decode_rows"]
-        t0 = time.perf_counter()
-        out = e.step()
-        dt = time.perf_counter() - t0
-        seconds += dt
-        if measured:
-            window_seconds += dt
-            window_tokens += [(r, len(r.tokens) - 1) for r, _ in out]
-            window_prefill += e.stats["prefill_rows"] - before[0]
-            window_decode += e.stats["decode_rows"] - before[1]
+    has); this one holds them in the workload's proportion (mix_window against mix_run).
+    avg_decode_depth and ideal_ratio are those of the tokens sampled in the window, the ones tok_s
+    counts (avg_decode_depth_run: all of them): a window of harder tokens is not held to the ideal
+    of easier ones. Passes and the work-conserving bound count every pass while requests were
+    waiting (the bound holds only then). The whole run, tail included, is in tok_s_total and
+    passes_total."""
+    e, reqs, seconds, window_seconds = run["engine"], run["reqs"], run["seconds"], run["window_seconds"]
+    U, s, mode = e.U, e.stats, reqs[0].mode
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
-    s = e.stats
     dec = [x for r in reqs for x in r.decode_exits]
     kv_physical, sum_exits = sum(r.kv["physical"] for r in reqs), sum(sum(r.exits) for r in reqs)
     if s["preemptions"] == 0:   # pages are exactly Σ e_i (prompt rows at depth U in Dense-Ragged)
         assert kv_physical == sum_exits == s["rows"], (kv_physical, sum_exits, s["rows"])
     tokens = sum(len(r.tokens) for r in reqs)
     avg_run = sum(dec) / max(len(dec), 1)
-    win = [r.decode_exits[i - 1] for r, i in window_tokens if i > 0]    # token i was sampled at decode row i - 1
+    win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]   # token i was sampled at decode row i - 1
     avg = sum(win) / len(win) if win else avg_run
-    return dict(scheduler=scheduler, mode=mode, thr=None if mode == "fixed" else thr, batch=batch,
-                tok_s=len(window_tokens) / window_seconds if window_seconds else None, tok_s_total=tokens / seconds,
-                seconds=seconds, window_seconds=window_seconds,
-                mix_window=window_prefill / max(window_decode, 1), mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
+    return dict(scheduler=e.scheduler, mode=mode, thr=None if mode == "fixed" else thr, batch=batch,
+                tok_s=len(run["window_tokens"]) / window_seconds if window_seconds else None,
+                tok_s_total=tokens / seconds, seconds=seconds, window_seconds=window_seconds,
+                mix_window=run["window_rows"][0] / max(run["window_rows"][1], 1),
+                mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
                 requests_s=len(reqs) / seconds, passes=s["steady_passes"], lower_bound=s["steady_slots"] / batch,
                 decode_bound=s["steady_decode_rows"] / batch,
                 passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, avg_decode_depth_run=avg_run,
-                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits, peak_pages=e.pool.peak,
-                max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens, row_depths=s["rows"])
+                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits,
+                peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
+                row_depths=s["rows"])
 
 
 def fastest(records):
@@ -584,9 +624,27 @@ def fastest(records):
     return max(records, key=lambda r: r["tok_s"])
 
 
+def keep_heap():
+    """Keep freed CPU buffers in the process. glibc hands out buffers of a few MB (the K/V gathers of
+    a pass) by mmap, returns them at free and adapts its threshold only as it goes: until it has,
+    every pass page-faults its buffers in afresh (measured: 760k faults and 2.6 s of system time in
+    a batch-32 Dense-Ragged run, none when warm), which would time the allocator, not the engine.
+    Linux/glibc only; elsewhere a no-op."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)      # buffers up to 32 MiB come from the heap
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)       # and freed heap stays mapped (up to 1 GiB)
+
+
 def bench(c):
     """Schedulers x modes x batch sizes on one seeded workload, repeats interleaved, then the
     capacity table."""
+    if torch.device(resolve_device(c["device"])).type == "cpu":
+        keep_heap()
     if c["ckpt"]:
         model, _ = load_checkpoint(c["ckpt"], resolve_device(c["device"]))
     else:
@@ -604,17 +662,17 @@ def bench(c):
                         f"({2 * max(batches)}), so that requests wait while the batch runs full")
     configs = [("fixed", "fixed")] + [(s, m) for m in ("dense_ragged", "ete_ragged") for s in ("continuous", "nested")]
     from tqdm import tqdm
-    bar = tqdm(total=len(batches) * len(configs) * c["repeats"], desc="bench", file=sys.stderr, disable=None)
+    sizes = {B: c["requests"] or (256 if full else max(2 * B, 16)) for B in batches}
+    bar = tqdm(total=sum(sizes.values()) * len(configs) * c["repeats"], desc="bench", unit="req", file=sys.stderr,
+               disable=None)
     runs = []
-    for B in batches:
-        n = c["requests"] or (256 if full else max(2 * B, 16))
+    for B, n in sizes.items():
         work = workload(n, prompts, outputs, cfg.vocab_size, c["seed"])
         pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
         tries = {k: [] for k in configs}
         for _ in range(c["repeats"]):
-            for scheduler, mode in configs:     # interleaved: a slow spell hits every configuration alike
-                tries[scheduler, mode].append(bench_run(model, work, scheduler, mode, thr, B, pages, c["max_rows"], c["attn"]))
-                bar.update(1)
+            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar):
+                tries[r["scheduler"], r["mode"]].append(r)
         best = {k: fastest(v) for k, v in tries.items()}
         for r in best.values():
             r["ratio_vs_fixed"] = r["tok_s"] / best["fixed", "fixed"]["tok_s"]
@@ -624,8 +682,8 @@ def bench(c):
     # capacity: one pool of 40% of what fixed@U needs for 32 requests, the whole workload at once
     work = workload(c["requests"] or (256 if full else 64), prompts, outputs, cfg.vocab_size, c["seed"] + 1)
     pages = int(0.4 * sum(len(p) + o for p, o in work[:32]) * U)
-    capacity = [bench_run(model, work, s, m, thr, len(work), pages, c["max_rows"], c["attn"])
-                for s, m in (("fixed", "fixed"), ("continuous", "dense_ragged"), ("continuous", "ete_ragged"))]
+    capacity = bench_runs(model, work, [("fixed", "fixed"), ("continuous", "dense_ragged"), ("continuous", "ete_ragged")],
+                          thr, len(work), pages, c["max_rows"], c["attn"])
     print_bench(runs, capacity, pages, U)
     device = str(model.lm_head.weight.device)
     rnd = lambda r: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
@@ -967,7 +1025,7 @@ DEFAULTS = dict(
     full=False,            # bench: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     batches="",            # bench: batch sizes, comma-separated (default 1,4,8,32)
     requests=0,            # bench: requests per batch size (0: 2 x batch, at least 16; 256 with --full)
-    repeats=2,             # bench: runs of each configuration, interleaved; the fastest counts
+    repeats=1,             # bench: rounds of every configuration (each round in turns); the fastest counts
     thr=None,              # bench: the exit threshold of the ragged modes (default 0.5)
     seed=0,                # bench: seeds the random model and the workload
 )
