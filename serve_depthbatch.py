@@ -121,8 +121,9 @@ class RowsView:
     """The attention hook of one engine step: every row writes its fresh page for this depth in
     every layer, then (all writes first) each row reads keys 0..its position through its own
     request's table column at its own depth (Eq. 7, Eq. 11). parts: (page_ids, lengths) for
-    consecutive rows; a 2-D page_ids is one kernels.paged_attention call (the decode rows, one per
-    request), a 1-D one a prompt chunk whose rows share their keys (kernels.paged_chunk_attention)."""
+    consecutive rows; a 2-D page_ids is a kernels.paged_attention call (decode rows, one per request,
+    in one or two tables), a 1-D one a prompt chunk whose rows share their keys
+    (kernels.paged_chunk_attention)."""
 
     def __init__(self, pool, pages, parts, impl):
         self.pool, self.pages, self.parts, self.impl = pool, pages, parts, impl
@@ -368,7 +369,7 @@ class Engine:
         batch = self._allocate()
         if not batch:
             return []
-        batch.sort(key=lambda gp: len(gp[0].pos) > 1)      # one-row groups first: one attention call for them all
+        batch.sort(key=lambda gp: (len(gp[0].pos) > 1, gp[0].pos.tolist()[-1]))   # one-row groups first, by position
         groups = [g for g, _ in batch]
         for g, pages in batch:
             g.req.seq.write_pages(g.pos, g.d, pages)          # writes never go through an alias
@@ -447,16 +448,16 @@ class Engine:
 
     def _attention_parts(self, groups):
         """What each row reads: entries 0..its position of its request's table column at its depth
-        (Eq. 7 via Eq. 11). The one-row groups (decode tokens) go in one padded [rows, maxlen] table;
+        (Eq. 7 via Eq. 11). The one-row groups (decode tokens) go in padded [rows, maxlen] tables;
         each longer group (a prompt chunk) keeps its one shared list, so that prompt rows are not
         padded to the longest decode row nor gathered once per row. Flex takes every row at once."""
         flat = groups if self.attn == "flex" else [g for g in groups if len(g.pos) == 1]
         parts = []
-        if flat:
-            pos = torch.cat([g.pos for g in flat])
+        for bucket in self._buckets(flat):
+            pos = torch.cat([g.pos for g in bucket])
             page_ids = torch.full((len(pos), int(pos.max()) + 1), -1, dtype=torch.long)
             row = 0
-            for g in flat:
+            for g in bucket:
                 n_keys = int(g.pos.max()) + 1
                 page_ids[row:row + len(g.pos), :n_keys] = g.req.seq.table[:n_keys, g.d]   # column d
                 row += len(g.pos)
@@ -465,6 +466,18 @@ class Engine:
             n_keys = int(g.pos.max()) + 1
             parts.append((g.req.seq.table[:n_keys, g.d].to(self.device), (g.pos + 1).to(self.device)))
         return parts
+
+    def _buckets(self, flat):
+        """The torch reference gathers every row of a table padded to its longest row. The one-row
+        groups come sorted by position (step sorts them), so one cut that saves a quarter or more of
+        the gathered keys makes two tables, short rows and long rows. (Triton reads each row to its
+        own length: no padding to save; flex takes all rows in one call.)"""
+        if self.attn != "torch" or len(flat) < 2:
+            return [flat] if flat else []
+        ends = [g.pos.tolist()[-1] + 1 for g in flat]                   # keys per row, ascending
+        n = len(ends)
+        keys, cut = min((i * ends[i - 1] + (n - i) * ends[-1], i) for i in range(1, n))
+        return [flat[:cut], flat[cut:]] if keys <= 0.875 * n * ends[-1] else [flat]
 
     def _keep(self, g, stopped):
         """Table 17 baselines: a finished token is read at one depth from then on."""

@@ -95,6 +95,24 @@ def test_concurrent_staggered_mixed_requests_equal_each_alone(scheduler):
     assert e.pool.used == 0
 
 
+def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone():
+    """Decode rows of very different lengths: the torch path cuts them into two padded tables (short
+    rows, long rows) and every request still produces what it produces alone."""
+    model = varied_model()
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    reqs = [Request(prompt(rng.randint(30, 40)), 6, "dense_ragged", 0.4, keep_logits=True)] + \
+           [Request(prompt(rng.randint(2, 5)), 6, rng.choice(["dense_ragged", "ete_ragged"]), 0.4, keep_logits=True)
+            for _ in range(4)]
+    e = Engine(model, 4000, max_batch=5, attn="torch")
+    cuts = []
+    buckets = e._buckets
+    e._buckets = lambda flat: cuts.append(len(buckets(flat))) or buckets(flat)
+    e.run(reqs)
+    assert 2 in cuts
+    for r in reqs:
+        assert_same(r, alone(model, r))
+
+
 @pytest.mark.parametrize("thr", [0.3, 0.6])
 def test_chunked_prefill_equals_one_chunk(thr):
     """A prompt run one token per chunk (--max_rows=1) equals the prompt in one chunk: depth d of a
