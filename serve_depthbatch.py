@@ -469,9 +469,10 @@ class Engine:
 
     def _buckets(self, flat):
         """The torch reference gathers every row of a table padded to its longest row. The one-row
-        groups come sorted by position (step sorts them), so one cut that saves a quarter or more of
-        the gathered keys makes two tables, short rows and long rows. (Triton reads each row to its
-        own length: no padding to save; flex takes all rows in one call.)"""
+        groups come sorted by position (step sorts them), so the one cut that saves the most keys
+        makes two tables, short rows and long rows, when it saves at least 1/8 of them (a second
+        call costs far less). (Triton reads each row to its own length: no padding to save; flex
+        takes all rows in one call.)"""
         if self.attn != "torch" or len(flat) < 2:
             return [flat] if flat else []
         ends = [g.pos.tolist()[-1] + 1 for g in flat]                   # keys per row, ascending
@@ -606,8 +607,8 @@ def bench_record(run, thr, batch):
     avg_decode_depth and ideal_ratio are those of the tokens sampled in the window, the ones tok_s
     counts (avg_decode_depth_run: all of them): a window of harder tokens is not held to the ideal
     of easier ones. Passes and the work-conserving bound count every pass while requests were
-    waiting (the bound holds only then). The whole run, tail included, is in tok_s_total and
-    passes_total."""
+    waiting, enough to fill the batch (the bound holds only then). The whole run, tail included, is
+    in tok_s_total and passes_total."""
     e, reqs, seconds, window_seconds = run["engine"], run["reqs"], run["seconds"], run["window_seconds"]
     U, s, mode = e.U, e.stats, reqs[0].mode
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
@@ -645,12 +646,12 @@ def keep_heap():
     Linux/glibc only; elsewhere a no-op."""
     try:
         import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
         return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)      # buffers up to 32 MiB come from the heap
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)       # and freed heap stays mapped (up to 1 GiB)
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)      # buffers up to 32 MiB come from the heap
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)       # and freed heap stays mapped (up to 1 GiB)
 
 
 def bench(c):
