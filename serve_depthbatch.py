@@ -452,33 +452,32 @@ class Engine:
         each longer group (a prompt chunk) keeps its one shared list, so that prompt rows are not
         padded to the longest decode row nor gathered once per row. Flex takes every row at once."""
         flat = groups if self.attn == "flex" else [g for g in groups if len(g.pos) == 1]
+        ends = [g.pos.tolist()[-1] + 1 for g in flat]        # keys of each group's last (longest) row
         parts = []
-        for bucket in self._buckets(flat):
-            pos = torch.cat([g.pos for g in bucket])
-            page_ids = torch.full((len(pos), int(pos.max()) + 1), -1, dtype=torch.long)
+        for lo, hi in self._tables(ends):
+            pos = torch.cat([g.pos for g in flat[lo:hi]])
+            page_ids = torch.full((len(pos), max(ends[lo:hi])), -1, dtype=torch.long)
             row = 0
-            for g in bucket:
-                n_keys = int(g.pos.max()) + 1
+            for g, n_keys in zip(flat[lo:hi], ends[lo:hi]):
                 page_ids[row:row + len(g.pos), :n_keys] = g.req.seq.table[:n_keys, g.d]   # column d
                 row += len(g.pos)
             parts.append((page_ids.to(self.device), (pos + 1).to(self.device)))
         for g in groups[len(flat):]:
-            n_keys = int(g.pos.max()) + 1
+            n_keys = g.pos.tolist()[-1] + 1
             parts.append((g.req.seq.table[:n_keys, g.d].to(self.device), (g.pos + 1).to(self.device)))
         return parts
 
-    def _buckets(self, flat):
-        """The torch reference gathers every row of a table padded to its longest row. The one-row
-        groups come sorted by position (step sorts them), so the one cut that saves the most keys
-        makes two tables, short rows and long rows, when it saves at least 1/8 of them (a second
-        call costs far less). (Triton reads each row to its own length: no padding to save; flex
-        takes all rows in one call.)"""
-        if self.attn != "torch" or len(flat) < 2:
-            return [flat] if flat else []
-        ends = [g.pos.tolist()[-1] + 1 for g in flat]                   # keys per row, ascending
+    def _tables(self, ends):
+        """[(lo, hi)]: the one-row groups of each padded table. The torch reference gathers every row
+        of a table padded to its longest; the rows come sorted by length (step sorts them), so the
+        one cut that saves the most keys makes two tables, short rows and long rows, when it saves at
+        least 1/8 of them (a second call costs far less). (Triton reads each row to its own length:
+        no padding to save; flex takes all rows in one call.)"""
         n = len(ends)
+        if self.attn != "torch" or n < 2:
+            return [(0, n)] if n else []
         keys, cut = min((i * ends[i - 1] + (n - i) * ends[-1], i) for i in range(1, n))
-        return [flat[:cut], flat[cut:]] if keys <= 0.875 * n * ends[-1] else [flat]
+        return [(0, cut), (cut, n)] if keys <= 0.875 * n * ends[-1] else [(0, n)]
 
     def _keep(self, g, stopped):
         """Table 17 baselines: a finished token is read at one depth from then on."""

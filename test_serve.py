@@ -104,11 +104,11 @@ def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone():
            [Request(prompt(rng.randint(2, 5)), 6, rng.choice(["dense_ragged", "ete_ragged"]), 0.4, keep_logits=True)
             for _ in range(4)]
     e = Engine(model, 4000, max_batch=5, attn="torch")
-    cuts = []
-    buckets = e._buckets
-    e._buckets = lambda flat: cuts.append(len(buckets(flat))) or buckets(flat)
+    tables = []
+    cut = e._tables
+    e._tables = lambda ends: tables.append(len(cut(ends))) or cut(ends)
     e.run(reqs)
-    assert 2 in cuts
+    assert 2 in tables
     for r in reqs:
         assert_same(r, alone(model, r))
 
