@@ -22,6 +22,7 @@ already had, so its continuation is exactly what it would have been.
 """
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -553,21 +554,25 @@ def workload(n, prompt_range, output_range, vocab, seed):
 TURN = 0.05   # bench: seconds one configuration runs before the next takes its turn
 
 
-def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None):
+def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None, seed=0):
     """Every (scheduler, mode) in configs serves the whole workload on its own engine and pool; the
-    engines take turns of about TURN seconds of steps until all are done. Returns their records.
+    engines take turns of about TURN seconds of steps, in a fresh random order every round, until
+    all are done. Returns their records.
 
     Why turns: timings on a shared machine drift by 10% or more within a minute, so that runs one
     after the other compare a fast spell with a slow one; in turns of 50 ms a slow spell hits every
-    configuration alike, and their ratios hold from run to run. A turn is long enough that each
-    engine runs with its own data in cache (tens of passes at batch 1). bar: a tqdm of requests done."""
+    configuration alike (what still moves a ratio from run to run: README, "The benchmark"). A turn is long enough that each
+    engine runs with its own data in cache (tens of passes at batch 1). The order is shuffled so
+    that no configuration always follows the same one (a periodic disturbance would otherwise hit
+    one of them more). bar: a tqdm of requests done."""
+    order = random.Random(seed)
     runs = []
     for scheduler, mode in configs:
         e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
         reqs = [e.add(Request(p, o, mode, thr)) for p, o in work]
         runs.append(dict(engine=e, reqs=reqs, seconds=0.0, window_seconds=0.0, window_rows=[0, 0], window_tokens=[]))
     while any(run["engine"].busy() for run in runs):
-        for run in runs:
+        for run in order.sample(runs, len(runs)):
             turn = time.perf_counter()
             done = len(run["engine"].finished)
             while run["engine"].busy() and time.perf_counter() - turn < TURN:
@@ -675,7 +680,9 @@ def bench(c):
                         f"({2 * max(batches)}), so that requests wait while the batch runs full")
     configs = [("fixed", "fixed")] + [(s, m) for m in ("dense_ragged", "ete_ragged") for s in ("continuous", "nested")]
     from tqdm import tqdm
-    sizes = {B: c["requests"] or (256 if full else max(2 * B, 16)) for B in batches}
+    # 2 x batch + 8 requests: the batch runs full while requests wait, and the window of a loaded server
+    # (bench_record) lasts 4 s or more at every batch size on 2 CPU cores
+    sizes = {B: c["requests"] or (256 if full else 2 * B + 8) for B in batches}
     bar = tqdm(total=sum(sizes.values()) * len(configs) * c["repeats"], desc="bench", unit="req", file=sys.stderr,
                disable=None)
     runs = []
@@ -683,8 +690,8 @@ def bench(c):
         work = workload(n, prompts, outputs, cfg.vocab_size, c["seed"])
         pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
         tries = {k: [] for k in configs}
-        for _ in range(c["repeats"]):
-            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar):
+        for rep in range(c["repeats"]):
+            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar, seed=c["seed"] + rep):
                 tries[r["scheduler"], r["mode"]].append(r)
         best = {k: fastest(v) for k, v in tries.items()}
         for r in best.values():
