@@ -561,10 +561,10 @@ def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=N
 
     Why turns: timings on a shared machine drift by 10% or more within a minute, so that runs one
     after the other compare a fast spell with a slow one; in turns of 50 ms a slow spell hits every
-    configuration alike (what still moves a ratio from run to run: README, "The benchmark"). A turn is long enough that each
-    engine runs with its own data in cache (tens of passes at batch 1). The order is shuffled so
-    that no configuration always follows the same one (a periodic disturbance would otherwise hit
-    one of them more). bar: a tqdm of requests done."""
+    configuration alike (what still moves a ratio from run to run: README, "The benchmark"). A turn
+    is long enough that each engine runs with its own data in cache (tens of passes at batch 1). The
+    order is shuffled so that no configuration always follows the same one (a periodic disturbance
+    would otherwise hit one of them more). bar: a tqdm of requests done."""
     order = random.Random(seed)
     runs = []
     for scheduler, mode in configs:
@@ -691,7 +691,8 @@ def bench(c):
         pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
         tries = {k: [] for k in configs}
         for rep in range(c["repeats"]):
-            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar, seed=c["seed"] + rep):
+            records = bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar, seed=c["seed"] + rep)
+            for r in records:
                 tries[r["scheduler"], r["mode"]].append(r)
         best = {k: fastest(v) for k, v in tries.items()}
         for r in best.values():
@@ -1044,7 +1045,7 @@ DEFAULTS = dict(
     bench=False,           # run the benchmark instead of serving; the last stdout line is JSON
     full=False,            # bench: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     batches="",            # bench: batch sizes, comma-separated (default 1,4,8,32)
-    requests=0,            # bench: requests per batch size (0: 2 x batch, at least 16; 256 with --full)
+    requests=0,            # bench: requests per batch size (0: 2 x batch + 8; 256 with --full)
     repeats=1,             # bench: rounds of every configuration (each round in turns); the fastest counts
     thr=None,              # bench: the exit threshold of the ragged modes (default 0.5)
     seed=0,                # bench: seeds the random model and the workload
