@@ -556,29 +556,35 @@ TURN = 0.05   # bench: seconds one configuration runs before the next takes its 
 
 def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None, seed=0):
     """Every (scheduler, mode) in configs serves the whole workload on its own engine and pool; the
-    engines take turns of about TURN seconds of steps, in a fresh random order every round, until
-    all are done. Returns their records.
+    engines take turns of about TURN seconds of steps until all are done, the next turn going to
+    the engine least far through the workload (tokens sampled so far; ties in a seeded random
+    order). Returns their records.
 
-    Why turns: timings on a shared machine drift by 10% or more within a minute, so that runs one
-    after the other compare a fast spell with a slow one; in turns of 50 ms a slow spell hits every
-    configuration alike (what still moves a ratio from run to run: README, "The benchmark"). A turn
-    is long enough that each engine runs with its own data in cache (tens of passes at batch 1). The
-    order is shuffled so that no configuration always follows the same one (a periodic disturbance
-    would otherwise hit one of them more). bar: a tqdm of requests done."""
+    Why turns: timings on this shared machine move by 10-50% within seconds (slow spells that last
+    seconds to minutes), so runs one after the other compare a fast spell with a slow one; in turns
+    of 50 ms a spell hits every configuration alike. Why the least advanced goes next: in plain
+    rotation the fast configurations finished first and fixed@U ran the last ~40% of its window
+    alone, so whatever the machine did then counted for fixed only (at batch 4, 0.79-1.09 of U/Ē
+    from round to round, two copies of one configuration agreeing within 1%). Kept level, the
+    engines move through the workload together and every spell falls on each in proportion to its
+    share of the work. A turn is long enough that each engine runs with its own data in cache (tens
+    of passes at batch 1). bar: a tqdm of requests done."""
     order = random.Random(seed)
+    total = sum(o for _, o in work)
     runs = []
     for scheduler, mode in configs:
         e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
         reqs = [e.add(Request(p, o, mode, thr)) for p, o in work]
         runs.append(dict(engine=e, reqs=reqs, seconds=0.0, window_seconds=0.0, window_rows=[0, 0], window_tokens=[]))
+    progress = lambda run: (sum(len(r.tokens) for r in run["reqs"]) / total, order.random())
     while any(run["engine"].busy() for run in runs):
-        for run in order.sample(runs, len(runs)):
-            turn = time.perf_counter()
-            done = len(run["engine"].finished)
-            while run["engine"].busy() and time.perf_counter() - turn < TURN:
-                timed_step(run)
-            if bar is not None:
-                bar.update(len(run["engine"].finished) - done)
+        run = min((run for run in runs if run["engine"].busy()), key=progress)
+        turn, done = time.perf_counter(), len(run["engine"].finished)
+        timed_step(run)                                       # a turn is at least one step
+        while run["engine"].busy() and time.perf_counter() - turn < TURN:
+            timed_step(run)
+        if bar is not None:
+            bar.update(len(run["engine"].finished) - done)
     return [bench_record(run, thr, batch) for run in runs]
 
 

@@ -183,6 +183,43 @@ def test_bench_prints_a_consistent_json_line(capsys):
     assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
 
 
+def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch):
+    """The benchmark's engines take turns so that they move through the workload together: every
+    turn goes to a busy engine with the fewest tokens sampled, so no configuration runs a stretch of
+    the machine's time alone while others wait (the timing bias that level turns remove)."""
+    import serve_depthbatch
+    engines, turns, last = [], [], [None]
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.reqs = []
+            engines.append(self)
+
+        def add(self, r):
+            self.reqs.append(r)
+            return super().add(r)
+
+    tokens = lambda e: sum(len(r.tokens) for r in e.reqs)
+    step = serve_depthbatch.timed_step
+
+    def timed_step(run):
+        if run["engine"] is not last[0]:      # a new turn: who was chosen, and where everyone stood
+            turns.append((tokens(run["engine"]), [tokens(e) for e in engines if e.busy()]))
+            last[0] = run["engine"]
+        step(run)
+
+    monkeypatch.setattr(serve_depthbatch, "Engine", Recorded)
+    monkeypatch.setattr(serve_depthbatch, "timed_step", timed_step)
+    monkeypatch.setattr(serve_depthbatch, "TURN", 0.0)     # one step per turn: the most turns to check
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    work = [(prompt(rng.randint(3, 10)), rng.randint(4, 12)) for _ in range(6)]
+    configs = [("fixed", "fixed"), ("continuous", "dense_ragged"), ("nested", "ete_ragged")]
+    records = serve_depthbatch.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
+    assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
+    assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)
+
+
 def test_fixed_scheduler_runs_every_token_all_loops():
     model = varied_model()
     reqs = [Request(prompt(6 + i), 8, "ete_ragged", 0.3) for i in range(4)]
