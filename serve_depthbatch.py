@@ -1058,7 +1058,7 @@ DEFAULTS = dict(
     full=False,            # bench: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     batches="",            # bench: batch sizes, comma-separated (default 1,4,8,32)
     requests=0,            # bench: requests per batch size (0: 2 x batch + 8; 256 with --full)
-    repeats=1,             # bench: rounds of every configuration (each round in turns); the fastest counts, each round in ratio_rounds
+    repeats=1,             # bench: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
     thr=None,              # bench: the exit threshold of the ragged modes (default 0.5)
     seed=0,                # bench: seeds the random model and the workload
 )
