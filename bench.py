@@ -5,56 +5,83 @@ ratio measured in the same run (absolute times only mean something on a GPU).
     python bench.py                       # decode at batch 1: fixed@U and Ouro mode on dense lanes, the
                                           # engine's fixed@U and Dense-/ETE-Ragged at τ 0.3, 0.5
     python bench.py --ckpt out/           # ... on a trained checkpoint instead of the random bench model
+    python bench.py --what=engine         # depth batching: schedulers x modes x batch sizes, and capacity
     python bench.py --what=train          # time per optimizer step of each training objective vs dense
+
+Decode targets: KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged mode >= 0.8 x
+U/Ē times fixed@U's on the same engine. The engine's overhead shows as its fixed@U against
+model.generate's dense lanes.
+
+Engine targets (continuous scheduler): passes <= 1.05 x the work-conserving bound, and tokens/s
+>= 0.9 x U/Ē times fixed@U's, at batch 1, 4, 8 and 32. How the engine benchmark measures (turns,
+the throughput window, the bound) is in docs/benchmarks.md.
 
 Training target (App. C): direct RA, averaged over a dense + ragged pair, costs <= 1.0x a dense
 step; counterfactual and REINFORCE cost more.
-
-Decode targets: KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged mode >= 0.8 ×
-U/Ē times fixed@U's on the same engine (the paper: 41.1 vs 25.0 tok/s at batch 1 on an H100). The
-engine's overhead shows as its fixed@U against model.generate's dense lanes. Many requests at once:
-`python serve_depthbatch.py --bench`.
 """
 import json
+import random
 import statistics
 import sys
 import time
 
 import torch
 
-from configurator import parse, run_cli
-from model import GPTConfig, LoopedLM, UserError, generate, load_checkpoint
+from checkpoint import load_checkpoint
+from configurator import UserError, device_rule, parse, resolve_device, run_cli
+from kernels import IMPLS
+from model import GPTConfig, LoopedLM, generate
 from serve_depthbatch import Engine, Request
 
 DEFAULTS = dict(
-    what="decode",         # decode: tokens/s of the inference modes; train: time per step of each objective
-    ckpt="",               # decode: a checkpoint; empty: a random model sized so that compute dominates
+    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives
+    ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
-    repeats=5,             # timings per mode, interleaved across modes; the median is reported
+    repeats=5,             # decode, train: timings per mode, interleaved across modes; the median is reported
     thr="0.3,0.5",         # decode: thresholds τ of the ragged modes (comma-separated)
-    seed=0,                # seeds the model, the prompt and the batches
+    seed=0,                # seeds the model, the prompt, the workload and the batches
     threads=0,             # torch threads (0: leave as is)
     steps=1,               # train: even/odd step pairs per timed run (after a warm-up run)
     batch_size=8,          # train: sequences per micro-batch
     block_size=128,        # train: tokens per sequence
+    engine_thr=0.5,        # engine: the exit threshold of the ragged modes
+    batches="",            # engine: batch sizes, comma-separated (default 1,4,8,32)
+    requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
+    rounds=1,              # engine: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
+    full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
+    kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
+    max_rows=256,          # engine: rows per pass that prefill chunks may fill
+    attn="auto",           # engine: paged attention (kernels.py)
+    device="cpu",          # engine: where to run (auto: CUDA when there is one)
 )
-RULES = dict(what=["decode", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
+RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
              thr="floats in [0, 1]", seed=">= 0", threads=">= 0", steps=">= 1", batch_size=">= 1",
-             block_size=">= 2")
+             block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
+             max_rows=">= 1", attn=IMPLS, device=device_rule,
+             batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
+             else "expected comma-separated positive integers")
+
+# Random models whose gates spread the exits over depths 1..4 (decode Ē about 2.5 at τ 0.5).
+SHAPES = {
+    "decode": dict(cfg=dict(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_kv_head=8, n_embd=512,
+                            ffn_hidden=1536), gate_std=0.12, gate_bias=-1.5),
+    "engine": dict(cfg=dict(vocab_size=256, block_size=2048, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
+                            ffn_hidden=704), gate_std=0.2, gate_bias=0.0, gate_seed=5),
+}
 
 
-def bench_model(seed):
-    """A random model of moderate width whose exits spread over depths 1..4 at τ 0.3-0.5."""
+def bench_model(seed, shape="decode"):
+    """A random model of a bench shape (SHAPES), in eval mode."""
+    spec = SHAPES[shape]
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_kv_head=8, n_embd=512,
-                    ffn_hidden=1536, branch_norm_init=1.0)
-    model = LoopedLM(cfg).eval()
+    model = LoopedLM(GPTConfig(**spec["cfg"], branch_norm_init=1.0)).eval()
     with torch.no_grad():
-        model.early_exit_gate.weight.normal_(0, 0.12)
-        model.early_exit_gate.bias.fill_(-1.5)
+        if "gate_seed" in spec:
+            torch.manual_seed(seed + spec["gate_seed"])
+        model.early_exit_gate.weight.normal_(0, spec["gate_std"])
+        model.early_exit_gate.bias.fill_(spec["gate_bias"])
     return model
-
 
 def timed(fns, repeats):
     """Time every fn of {name: fn} `repeats` times, interleaved (name by name within each round, so
@@ -70,10 +97,7 @@ def timed(fns, repeats):
 
 
 def bench_decode(c):
-    if c["ckpt"]:
-        model, _ = load_checkpoint(c["ckpt"])
-    else:
-        model = bench_model(c["seed"])
+    model = load_checkpoint(c["ckpt"])[0] if c["ckpt"] else bench_model(c["seed"], "decode")
     U = model.config.n_loops
     g = torch.Generator().manual_seed(c["seed"])
     prompt = torch.randint(0, model.config.vocab_size, (c["prompt_len"],), generator=g).tolist()
@@ -184,12 +208,238 @@ def bench_train(c):
             "direct_ra_meets_target": rows["direct_ra"] / base <= 1.0}
 
 
+# ----------------------------------------------------------------------------- engine: depth batching (App. A.2)
+
+def workload(n, prompt_range, output_range, vocab, seed):
+    """nano-vllm's benchmark workload: random prompts and output lengths, EOS ignored."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (), generator=g))
+        o = int(torch.randint(output_range[0], output_range[1] + 1, (), generator=g))
+        out.append((torch.randint(0, vocab, (p,), generator=g).tolist(), o))
+    return out
+
+
+TURN = 0.05   # bench: seconds one configuration runs before the next takes its turn
+
+
+def new_counts():
+    return dict(passes=0, rows=0, decode_rows=0, prefill_rows=0, steady_passes=0, steady_slots=0,
+                steady_decode_rows=0)
+
+
+def counted_step(e, counts):
+    """One engine step, counted from outside from what the engine reports of its pass (last_pass).
+    steady: requests wait, enough to fill the batch, so a work-conserving scheduler would run full
+    passes: the passes and slots that the work-conserving bound speaks of."""
+    steady = len(e.waiting) > 0 and len(e.waiting) + len(e.running) >= e.max_batch
+    out = e.step()
+    if e.last_pass:
+        rows = sum(n for _, n, _ in e.last_pass)
+        dec = sum(n for _, n, decode in e.last_pass if decode)
+        counts["passes"] += 1
+        counts["rows"] += rows
+        counts["decode_rows"] += dec
+        counts["prefill_rows"] += rows - dec
+        if steady:
+            counts["steady_passes"] += 1
+            counts["steady_slots"] += len(e.last_pass)   # requests that ran a depth (a prompt chunk is one wide row)
+            counts["steady_decode_rows"] += dec
+    return out
+
+
+def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None, seed=0):
+    """Every (scheduler, mode) in configs serves the whole workload on its own engine and pool; the
+    engines take turns of about TURN seconds of steps until all are done, the next turn going to
+    the engine least far through the workload (tokens sampled so far; ties in a seeded random
+    order). Turns let a slow spell of a shared machine fall on every configuration alike, and
+    keeping them level lets no configuration run a stretch of the machine's time alone
+    (docs/benchmarks.md). Returns their records. bar: a tqdm of requests done."""
+    order = random.Random(seed)
+    total = sum(o for _, o in work)
+    runs = []
+    for scheduler, mode in configs:
+        e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn)
+        reqs = [e.add(Request(p, o, mode, thr)) for p, o in work]
+        runs.append(dict(engine=e, reqs=reqs, counts=new_counts(), seconds=0.0, window_seconds=0.0, window_rows=[0, 0],
+                         window_tokens=[]))
+    progress = lambda run: (sum(len(r.tokens) for r in run["reqs"]) / total, order.random())
+    while any(run["engine"].busy() for run in runs):
+        run = min((run for run in runs if run["engine"].busy()), key=progress)
+        turn, done = time.perf_counter(), len(run["engine"].finished)
+        timed_step(run)                                       # a turn is at least one step
+        while run["engine"].busy() and time.perf_counter() - turn < TURN:
+            timed_step(run)
+        if bar is not None:
+            bar.update(len(run["engine"].finished) - done)
+    return [bench_record(run, thr, batch) for run in runs]
+
+
+def timed_step(run):
+    """One engine step, timed; counted in the throughput window from the end of the first request
+    to the last admission."""
+    e, counts = run["engine"], run["counts"]
+    measured = len(e.waiting) > 0 and len(e.finished) > 0
+    before = counts["prefill_rows"], counts["decode_rows"]
+    t0 = time.perf_counter()
+    out = counted_step(e, counts)
+    dt = time.perf_counter() - t0
+    run["seconds"] += dt
+    if measured:
+        run["window_seconds"] += dt
+        run["window_tokens"] += [(r, len(r.tokens) - 1) for r, _ in out]   # (request, index) of every token
+        run["window_rows"][0] += counts["prefill_rows"] - before[0]
+        run["window_rows"][1] += counts["decode_rows"] - before[1]
+
+
+def bench_record(run, thr, batch):
+    """The record of one engine's run for the JSON line.
+
+    tok_s is a loaded server's: from the end of the first request to the last admission, where prompt
+    and decode rows come in the workload's proportion (mix_window against mix_run); Ē and the ideal
+    ratio are those of the tokens sampled in that window. passes and the work-conserving bound count
+    the passes while requests waited, enough to fill the batch. The whole run, tail included, is
+    in tok_s_total and passes_total."""
+    e, reqs, seconds, window_seconds = run["engine"], run["reqs"], run["seconds"], run["window_seconds"]
+    U, s, mode = e.U, {**e.stats, **run["counts"]}, reqs[0].mode
+    assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
+    dec = [x for r in reqs for x in r.decode_exits]
+    kv_physical, sum_exits = sum(r.kv["physical"] for r in reqs), sum(sum(r.exits) for r in reqs)
+    if s["preemptions"] == 0:   # pages are exactly Σ e_i (prompt rows at depth U in Dense-Ragged)
+        assert kv_physical == sum_exits == s["rows"], (kv_physical, sum_exits, s["rows"])
+    tokens = sum(len(r.tokens) for r in reqs)
+    avg_run = sum(dec) / max(len(dec), 1)
+    win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]   # token i was sampled at decode row i - 1
+    avg = sum(win) / len(win) if win else avg_run
+    return dict(scheduler=e.scheduler, mode=mode, thr=None if mode == "fixed" else thr, batch=batch,
+                tok_s=len(run["window_tokens"]) / window_seconds if window_seconds else None,
+                tok_s_total=tokens / seconds, seconds=seconds, window_seconds=window_seconds,
+                mix_window=run["window_rows"][0] / max(run["window_rows"][1], 1),
+                mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
+                requests_s=len(reqs) / seconds, passes=s["steady_passes"], lower_bound=s["steady_slots"] / batch,
+                decode_bound=s["steady_decode_rows"] / batch,
+                passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, avg_decode_depth_run=avg_run,
+                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits,
+                peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
+                row_depths=s["rows"])
+
+
+def fastest(records):
+    """Of repeated runs of one configuration, the fastest (contention only ever slows a run down)."""
+    return max(records, key=lambda r: r["tok_s"])
+
+
+def keep_heap():
+    """Keep freed CPU buffers in the process. glibc hands out buffers of a few MB (the K/V gathers of
+    a pass) by mmap, returns them at free and adapts its threshold only as it goes: until it has,
+    every pass page-faults its buffers in afresh (measured: 760k faults and 2.6 s of system time in
+    a batch-32 Dense-Ragged run, none when warm), which would time the allocator, not the engine.
+    Linux/glibc only; elsewhere a no-op."""
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)      # buffers up to 32 MiB come from the heap
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)       # and freed heap stays mapped (up to 1 GiB)
+
+
+def bench_engine(c):
+    """Schedulers x modes x batch sizes on one seeded workload, rounds interleaved, then the
+    capacity table."""
+    device = resolve_device(c["device"])
+    if torch.device(device).type == "cpu":
+        keep_heap()
+    model = load_checkpoint(c["ckpt"], device)[0] if c["ckpt"] else bench_model(c["seed"], "engine").to(device)
+    cfg, U = model.config, model.config.n_loops
+    full = c["full"]
+    prompts, outputs = ((100, 1024), (100, 1024)) if full else ((16, 64), (32, 128))
+    batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
+    if prompts[1] + outputs[1] > cfg.block_size:
+        raise UserError(f"the workload needs a context of {prompts[1] + outputs[1]} tokens; the model has "
+                        f"block_size={cfg.block_size}")
+    thr = c["engine_thr"]
+    if c["requests"] and c["requests"] < 2 * max(batches):
+        raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest batch "
+                        f"({2 * max(batches)}), so that requests wait while the batch runs full")
+    configs = [("fixed", "fixed")] + [(s, m) for m in ("dense_ragged", "ete_ragged") for s in ("continuous", "nested")]
+    from tqdm import tqdm
+    # 2 x batch + 8 requests: the batch runs full while requests wait, and the window of a loaded server
+    # (bench_record) lasts 4 s or more at every batch size on 2 CPU cores
+    sizes = {B: c["requests"] or (256 if full else 2 * B + 8) for B in batches}
+    bar = tqdm(total=sum(sizes.values()) * len(configs) * c["rounds"], desc="bench", unit="req", file=sys.stderr,
+               disable=None)
+    runs = []
+    for B, n in sizes.items():
+        work = workload(n, prompts, outputs, cfg.vocab_size, c["seed"])
+        pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
+        tries = {k: [] for k in configs}
+        for rep in range(c["rounds"]):
+            records = bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar, seed=c["seed"] + rep)
+            for r in records:
+                tries[r["scheduler"], r["mode"]].append(r)
+        best = {k: fastest(v) for k, v in tries.items()}
+        for k, r in best.items():
+            r["ratio_vs_fixed"] = r["tok_s"] / best["fixed", "fixed"]["tok_s"]
+            # each round against the fixed engine of the same round: the spread that fastest-of hides
+            r["ratio_rounds"] = [t["tok_s"] / f["tok_s"] for t, f in zip(tries[k], tries["fixed", "fixed"])]
+            r["work_ratio"] = best["fixed", "fixed"]["row_depths"] / r["row_depths"]   # prefill rows included
+            runs.append(r)
+    bar.close()
+    # capacity: one pool of 40% of what fixed@U needs for 32 requests, the whole workload at once
+    work = workload(c["requests"] or (256 if full else 64), prompts, outputs, cfg.vocab_size, c["seed"] + 1)
+    pages = int(0.4 * sum(len(p) + o for p, o in work[:32]) * U)
+    capacity = bench_runs(model, work, [("fixed", "fixed"), ("continuous", "dense_ragged"), ("continuous", "ete_ragged")],
+                          thr, len(work), pages, c["max_rows"], c["attn"])
+    print_bench(runs, capacity, pages, U)
+    device = str(model.lm_head.weight.device)
+    rnd = lambda r: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+    return {"model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "n_loops": U,
+                      "vocab_size": cfg.vocab_size, "ckpt": c["ckpt"] or "random bench model", "device": device,
+                      "thr": thr, "prompts": prompts, "outputs": outputs, "attn": c["attn"], "max_rows": c["max_rows"],
+                      "rounds": c["rounds"]},
+            "runs": [rnd(r) for r in runs], "capacity": {"kv_pages": pages, "runs": [rnd(r) for r in capacity]}}
+
+
+def print_bench(runs, capacity, pages, U):
+    err = sys.stderr
+    print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'tok/s':>8}{'x fixed':>8}{'ideal':>7}{'work':>6}{'Ē dec':>7}"
+          f"{'passes':>8}{'bound':>8}{'ratio':>7}{'KV phys/dense':>16}{'peak':>6}{'mix win/run':>12}"
+          f"{'  x fixed by round' if len(runs[0]['ratio_rounds']) > 1 else ''}", file=err)
+    for r in runs:
+        ratio = r["passes"] / r["lower_bound"] if r["lower_bound"] else float("nan")
+        rounds = r["ratio_rounds"]
+        spread = f"  {min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else ""
+        print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['tok_s']:>8.1f}{r['ratio_vs_fixed']:>8.2f}"
+              f"{r['ideal_ratio']:>7.2f}{r['work_ratio']:>6.2f}{r['avg_decode_depth']:>7.2f}{r['passes']:>8}"
+              f"{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['peak_pages']:>6}"
+              f"{r['mix_window']:>7.2f}/{r['mix_run']:.2f}{spread}", file=err)
+    print("tok/s: from the first request's end to the last admission (a loaded server), fastest of the repeats "
+          "(x fixed by round: each round against that round's fixed engine); "
+          "Ē dec and ideal: of the tokens sampled in that window; mix = prompt rows per decode row in that "
+          "window / in the whole run. passes and bound: while requests "
+          "were waiting; bound = the work-conserving bound: depths run by requests (a prompt chunk or a decode "
+          "token each: one row of the batch) / batch. Targets for continuous: ratio <= 1.05, x fixed >= 0.9 x "
+          "ideal (ideal = U/Ē); work = row-depths of fixed / of this run, prefill included", file=err)
+    print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
+          "request submitted at once, whole run", file=err)
+    print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}{'peak':>6}",
+          file=err)
+    for r in capacity:
+        print(f"{r['scheduler']:<11}{r['mode']:<13}{r['requests_s']:>8.2f}{r['tok_s_total']:>8.1f}{r['max_in_flight']:>14}"
+              f"{r['preemptions']:>12}{r['peak_pages']:>6}", file=err)
+
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     if c["threads"]:
         torch.set_num_threads(c["threads"])
     torch.manual_seed(c["seed"])
-    print(json.dumps(bench_decode(c) if c["what"] == "decode" else bench_train(c)))
+    run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train}[c["what"]]
+    print(json.dumps(run(c)))
 
 
 if __name__ == "__main__":

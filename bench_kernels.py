@@ -22,9 +22,8 @@ import torch
 if not torch.cuda.is_available():   # the CPU can only run Triton kernels in the interpreter, in float32
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from configurator import parse, run_cli  # noqa: E402  (after the interpreter switch)
+from configurator import UserError, parse, run_cli  # noqa: E402  (after the interpreter switch)
 from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton  # noqa: E402
-from model import UserError  # noqa: E402
 
 DEFAULTS = dict(
     smoke=False,           # tiny sizes, correctness only (any device)
@@ -168,9 +167,8 @@ def main(argv):
             result["targets"] = {"bandwidth_ge_70pct_at_b32_4k": target["of_copy_bw"] >= 0.7,
                                  "time_le_1.1x_contiguous": all(r["x_contiguous"] <= 1.1 for r in rows)}
         if c["engine"]:
-            import serve_depthbatch
-            result["engine"] = serve_depthbatch.bench(dict(serve_depthbatch.DEFAULTS, bench=True, attn="triton",
-                                                           device="cuda"))
+            import bench
+            result["engine"] = bench.bench_engine(dict(bench.DEFAULTS, what="engine", attn="triton", device="cuda"))
     print(json.dumps(result))
     return result
 

@@ -1,5 +1,6 @@
 """
-Command-line and config-file overrides, nanoGPT style but without exec-into-globals:
+Command-line plumbing of every script: config files and flag overrides, --help, and the one
+error type, device and dtype that all scripts share. nanoGPT style, without exec-into-globals:
 
     python train.py config/shakespeare_char.py --batch_size=32 --max_iters 500 --global_kl
 
@@ -24,7 +25,17 @@ import re
 import sys
 import tokenize
 
-from model import UserError
+import torch
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for. CLIs print it as one line and exit with code 2.
+    `field` names the option or request field it is about, when there is one."""
+
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
+
 
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
@@ -117,10 +128,31 @@ def check(key, value, rule):
         raise UserError(f"--{key}={value!r}: must be a number {rule}")
 
 
+# ----------------------------------------------------------------------------- devices and dtypes
+
 def device_rule(name):
     """auto | cpu | cuda | cuda:N | mps"""
     if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", name):
         return "expected auto, cpu, cuda, cuda:N or mps"
+
+
+def resolve_device(name):
+    """--device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N or mps."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device={name}: CUDA is not available on this machine; use --device=cpu or auto")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
+    return name
+
+
+# --dtype of the inference scripts: "" keeps the checkpoint's own
+DTYPES = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def _number(s):

@@ -1,12 +1,154 @@
-"""Test-session setup: without a GPU, Triton kernels run in Triton's interpreter on the CPU
-(float32 only). Set before any test module imports kernels.py, since triton.jit reads it."""
+"""Test-session setup and the helpers that several test modules share.
+
+Without a GPU, Triton kernels run in Triton's interpreter on the CPU (float32 only): set before any
+test module imports kernels.py, since triton.jit reads it. Tests never reach the network."""
+import json
 import os
+import random
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tests never reach the network: lm-eval's datasets library reads local files only.
+# lm-eval's datasets library reads local files only
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from model import FULL, GPTConfig, LoopedLM  # noqa: E402  (after the interpreter switch)
+from serve_depthbatch import Engine, Request, prompt_thresholds  # noqa: E402
+
+U = 4
+
+
+# ----------------------------------------------------------------------------- float64 models and prompts
+
+def random_model(seed, **overrides):
+    """A float64 model with weights large enough that exits and tokens really vary."""
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40)
+    cfg.update(overrides)
+    model = LoopedLM(GPTConfig(**cfg)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.25)
+            if p.dim() == 1 and p.numel() > 1:  # norm gains around 1
+                p.add_(1.0)
+        model.early_exit_gate.weight.mul_(4.0)
+    return model
+
+
+def varied_model(seed=None):
+    """A float64 model whose threshold exits spread over all depths."""
+    seed = random.choice([1, 2]) if seed is None else seed
+    model = random_model(seed)
+    with torch.no_grad():
+        model.early_exit_gate.weight.mul_(0.4)
+        model.early_exit_gate.bias.fill_(-0.5)
+    return model
+
+
+def prompt(n):
+    return torch.randint(0, 37, (n,)).tolist()
+
+
+def oracle_taus(n_prompt, n_total, mode, thr, **prefill):
+    taus = torch.full((1, n_total), float(thr), dtype=torch.float64)
+    if mode == "dense_ragged":
+        taus[0, :n_prompt] = FULL
+    else:
+        taus[0, :n_prompt] = prompt_thresholds(n_prompt, thr, **prefill)
+    return taus
+
+
+# ----------------------------------------------------------------------------- the engine against itself
+
+def alone(model, r, **engine_args):
+    """The request on an engine of its own; checks that every page came back and was written once
+    per layer."""
+    e = Engine(model, engine_args.pop("kv_pages", 4000), **engine_args)
+    out = e.run([clone(r)])[0]
+    assert e.pool.used == 0 and e.pool.writes == out.kv["block_evals"] * model.config.n_layer
+    return out
+
+
+def clone(r):
+    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, r.depth, r.temperature, r.top_p, r.top_k, r.seed,
+                   tuple(r.stop), r.prefill_thr, r.prefill_schedule, r.prefix_full, keep_logits=r.keep_logits)
+
+
+def assert_same(a, b):
+    assert a.tokens == b.tokens and a.exits == b.exits, (a.mode, a.thr)
+    assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), atol=1e-9, rtol=0)
+
+
+# ----------------------------------------------------------------------------- training runs
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
+        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2"]
+
+
+def read_log(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ----------------------------------------------------------------------------- Ouro folders
+
+CFG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+           intermediate_size=48, rope_theta=1e6, rms_norm_eps=1e-6, total_ut_steps=4,
+           max_position_embeddings=128, tie_word_embeddings=False, model_type="ouro",
+           architectures=["OuroForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
+NORMS = ["input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"]
+
+
+def ouro_tensors(cfg, seed, dtype=torch.float32):
+    """Random weights under Ouro's exact key names."""
+    g = torch.Generator().manual_seed(seed)
+    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = H // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * hd
+    r = lambda *s, scale=0.2: (torch.randn(*s, generator=g) * scale).to(dtype)
+    t = {"model.embed_tokens.weight": r(V, H, scale=1.0), "model.norm.weight": 1 + r(H),
+         "model.early_exit_gate.weight": r(1, H, scale=0.3), "model.early_exit_gate.bias": r(1, scale=1.0),
+         "lm_head.weight": r(V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": r(H, H), p + "self_attn.k_proj.weight": r(kv, H),
+                  p + "self_attn.v_proj.weight": r(kv, H), p + "self_attn.o_proj.weight": r(H, H),
+                  p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
+                  p + "mlp.down_proj.weight": r(H, F)})
+        t.update({p + n + ".weight": 1 + r(H) for n in NORMS})
+    return t
+
+
+def write_folder(path, cfg, tensors, shards=1):
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return path
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[s::shards]}
+        save_file(part, os.path.join(path, name))
+        weight_map.update({k: name for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def make_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "\n": 3, "user": 4, "assistant": 5}
+    for w in "the cat sat on a mat dog".split():
+        vocab[w] = len(vocab)
+    vocab["[UNK]"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split("\n", "isolated")])
+    tok.decoder = decoders.WordPiece()
+    tok.save(path)

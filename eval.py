@@ -35,12 +35,13 @@ import sys
 import numpy as np
 import torch
 
-from configurator import device_rule, parse, run_cli
+from checkpoint import atomic_write, load_for_script, write_json
+from configurator import DTYPES, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
-from model import (UserError, atomic_write, exit_stats, forward_ragged, load_checkpoint, resolve_device, threshold_exit,
-                   write_json)
-from sample import chat_ids
-from serve_depthbatch import Engine, Request, pool_pages
+from model import exit_stats, forward_ragged, threshold_exit
+from ragged import pool_pages
+from serve_depthbatch import MODES, Engine, Request
+from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
@@ -77,12 +78,15 @@ DEFAULTS = dict(
 RULES = dict(builtin=["", "synthetic"], builtin_items=">= 1", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature=">= 0", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed=">= 0",
-             dtype=["", "float32", "float64", "bfloat16"],
+             dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
 
 
 # ----------------------------------------------------------------------------- modes
+
+SCORED = ["fixed", "ouro", "dense_ragged", "ete_ragged"]   # the MODES with a teacher-forced score (not Table 17's)
+
 
 def parse_modes(text, U):
     """'fixed@2,ete_ragged@0.5' -> [(mode, thr, depth)] (thr None for fixed, depth None otherwise)."""
@@ -93,16 +97,17 @@ def parse_modes(text, U):
             value = float(arg)
         except ValueError:
             raise UserError(f"--modes: {part!r} is not mode@value (fixed@k, dense_ragged@τ, ete_ragged@τ, ouro@τ)")
+        if mode not in SCORED:
+            raise UserError(f"--modes: {part!r}: mode {mode!r} is not scored here; allowed: {', '.join(SCORED)}"
+                            + (" (the Table 17 baselines are decode-only: sample.py)" if mode in MODES else ""))
         if mode == "fixed":
             if value != int(value) or not 1 <= value <= U:
                 raise UserError(f"--modes: {part!r}: fixed@k needs k in 1..{U}")
             out.append(("fixed", None, int(value)))
-        elif mode in ("dense_ragged", "ete_ragged", "ouro"):
+        else:
             if not 0 <= value <= 1:
                 raise UserError(f"--modes: {part!r}: τ must be in [0, 1]")
             out.append((mode, value, None))
-        else:
-            raise UserError(f"--modes: {part!r}: unknown mode {mode!r}; allowed: fixed, dense_ragged, ete_ragged, ouro")
     return out
 
 
@@ -405,8 +410,7 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
                             f"{model.config.block_size}")
         for j in range(c["n"]):
             r = Request(ids, cap, mode, 0.5 if thr is None else thr, depth or 0, c["temperature"], c["top_p"], c["top_k"],
-                        c["seed"] + 1000 * i + j, tuple(eos))
-            r.item = i
+                        c["seed"] + 1000 * i + j, tuple(eos), tag=i)
             if stop and decode is not None and item.get("extract", "answer_is") != "prefix":
                 def on_token(r, tok, stop=stop):      # the next exemplar begins: this rollout is done
                     if tok is not None and stop in decode(r.tokens):
@@ -427,7 +431,7 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     records, per_k = [], {k: [] for k in ks}
     pe, de = [], []
     for i, item in enumerate(items):
-        mine = [r for r in reqs if r.item == i]
+        mine = [r for r in reqs if r.tag == i]
         comps, answers, correct = [], [], []
         for r in mine:
             toks = [t for t in r.tokens if t not in r.stop]
@@ -619,9 +623,8 @@ def main(argv):
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
-    dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-    device = resolve_device(c["device"])
-    model, ckpt = load_checkpoint(c["ckpt"], device, dtypes[c["dtype"]])
+    model, meta, encode, decode, eos = load_for_script(c)
+    device = model.lm_head.weight.device
     U = model.config.n_loops
     if c["sweep"]:
         thrs = [float(t) for t in c["thresholds"].split(",")]
@@ -629,17 +632,11 @@ def main(argv):
                                                                  for t in thrs]
     else:
         specs = parse_modes(c["modes"] or f"fixed@{U},dense_ragged@0.5,ete_ragged@0.5", U)
-    meta = ckpt.get("meta") or {}
-    encode = decode = None
-    if meta:
-        from prepare_data import load_tokenizer
-        encode, decode = load_tokenizer(meta, c["tiktoken_file"])
     needs_text = any("prompt" in it or "context" in it for items in tasks.values() for it in items)
     if encode is None and (needs_text or c["builtin"] or c["lm_eval"]):
         raise UserError("this checkpoint has no tokenizer: give tasks with context_ids / choices_ids / prompt_ids")
-    c["eos_ids"] = [{"gpt2": 50256, "hf": 0}[meta["tokenizer"]]] if meta.get("tokenizer") in ("gpt2", "hf") else []
+    c["eos_ids"] = [] if eos is None else [eos]
     if c["chat"]:
-        from sample import IM_END, check_chat
         check_chat(meta)
         c["eos_ids"] = [IM_END] + c["eos_ids"]
     if c["builtin"]:

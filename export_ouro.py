@@ -12,8 +12,8 @@ import sys
 
 import torch
 
+from checkpoint import export_ouro, load_checkpoint
 from configurator import parse, run_cli
-from model import export_ouro, load_checkpoint
 
 DEFAULTS = dict(
     ckpt="out",            # our checkpoint: a ckpt.pt file or a directory holding one

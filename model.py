@@ -1,23 +1,27 @@
 """
-The looped language model (Ouro-style): one block of L layers applied U times, an exit gate
-after every loop, and the exit rules of the paper (Eq. 3, Eq. 4).
+The looped language model (Ouro-style): one block of L layers applied U times, an exit gate after
+every loop, the exit maths of the paper (Eq. 2-4), and the slow reference forwards that every fast
+path is checked against.
 
-Read top to bottom: config, the layer, the looped model and its dense forward, exit maths,
-generation on Ouro's dense lanes (the recompute oracle and the cached Ouro-mode decode), Ragged KV
-(the dense-shaped forward of Eq. 7, the oracle of the paged engine in serve_depthbatch.py and the
-training path; the counterfactual forward), our checkpoints, and Ouro Hugging Face folders.
-Equation numbers refer to ../shared/paper/ragged-kv-paper.txt.
+Read top to bottom: the config; the layer; the looped model and its dense forward (Eq. 1, every
+token runs every loop); the exit maths (Eq. 2-4, one function per rule, used everywhere); Ouro's
+dense-lane generation (the recompute oracle and the cached decode: the baseline); and the
+dense-shaped ragged forward (Eq. 7: token j is read at depth min(d, e_j)), the oracle of the paged
+engine in serve_depthbatch.py and the forward of ragged-aware training.
+
+Equation numbers refer to the paper, "Enabling Dynamic Computation in Looped LMs";
+docs/equations.md writes each one out with the function that implements it and its test.
 """
-import json
 import math
-import os
-import tempfile
-from dataclasses import dataclass, asdict, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from configurator import UserError
+from ragged import DenseLanes
 
 
 def at_least_fp32(dtype):
@@ -31,10 +35,6 @@ def token_ce(logits, targets):
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
                            reduction="none")
     return loss.view(targets.shape)
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for. CLIs print it as one line and exit with code 2."""
 
 
 @dataclass
@@ -298,24 +298,6 @@ def sample_exit(gate_logits, generator=None):
     return hit.to(torch.int8).argmax(dim=-1) + 1
 
 
-# ----------------------------------------------------------------------------- sampling
-
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
-    """logits (V,) -> one token id. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.double() / temperature
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted probs whose mass reaches top_p
-        sp, si = torch.sort(probs, descending=True)
-        drop = (sp.cumsum(0) - sp) >= top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 # ----------------------------------------------------------------------------- generation
 
 @torch.no_grad()
@@ -345,19 +327,21 @@ def forward_lanes(model, idx, cache, pos, n_run):
     return states, torch.stack(gates, -1)
 
 
-def check_prompt(model, ids, max_new_tokens):
-    if not ids:
-        raise UserError("the prompt is empty: give --prompt or --prompt_ids")
-    if len(ids) >= model.config.block_size:
-        raise UserError(f"the prompt has {len(ids)} tokens; the context length is "
-                        f"block_size={model.config.block_size}: give a prompt of at most "
-                        f"{model.config.block_size - 1} tokens")
-    if len(ids) + max_new_tokens > model.config.block_size:
-        raise UserError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds "
-                        f"the context length block_size={model.config.block_size}")
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+def check_prompt(cfg, ids, max_new_tokens):
+    """The one check of a prompt and its budget, for every entry point (generate, the engine, and so
+    sample.py, eval.py and the server): a non-empty list of token ids inside the vocabulary, with
+    room in the context for max_new_tokens more. UserError names the field: prompt or max_tokens."""
+    if not isinstance(ids, list) or not ids:
+        raise UserError("prompt: the prompt is empty; give a non-empty list of token ids", "prompt")
+    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size)]
     if bad:
-        raise UserError(f"token id {bad[0]} is outside the vocabulary [0, {model.config.vocab_size})")
+        raise UserError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})", "prompt")
+    if len(ids) >= cfg.block_size:
+        raise UserError(f"prompt of {len(ids)} tokens: the context length is block_size={cfg.block_size}; give "
+                        f"at most {cfg.block_size - 1} tokens", "prompt")
+    if len(ids) + max_new_tokens > cfg.block_size:
+        raise UserError(f"prompt of {len(ids)} tokens + max_tokens={max_new_tokens} exceeds the context length "
+                        f"block_size={cfg.block_size}", "max_tokens")
 
 
 @torch.inference_mode()
@@ -369,11 +353,10 @@ def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampl
                   the threshold (Eq. 4) only picks which depth's logits are sampled.
     naive=True recomputes the whole context every step (the oracle).
     Returns (new token ids, exit depth per new token)."""
-    from ragged import DenseLanes  # the caches live in ragged.py
     U = model.config.n_loops
     if mode == "fixed" and not 1 <= (depth or 0) <= U:
         raise UserError(f"--depth={depth} must be in 1..{U}")
-    check_prompt(model, ids, max_new_tokens)
+    check_prompt(model.config, list(ids), max_new_tokens)
     sampler = sampler or (lambda logits: int(logits.argmax()))
     ids, new, exits = list(ids), [], []
     n_run = depth if mode == "fixed" else U
@@ -400,82 +383,70 @@ def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampl
 FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (exit at the last)
 
 
-class TerminalKV:
-    """Attention hook of the dense-shaped ragged forward: per layer, the K/V of tokens that
-    stopped (`frozen`) are replaced by their terminal K/V, the last depth they ran (Eq. 7).
-    With `history` a list, the K/V read at every (depth, layer) are appended to it."""
+class RaggedReads:
+    """Attention hook of the dense-shaped ragged forward. Every token's K/V is kept at every depth
+    it ran, and a query at depth d reads key j at depth min(d, e_j) (Eq. 7): its own depth while j
+    still runs, j's terminal depth once j has stopped. `read` holds that depth (0-based) per key for
+    the block application in progress. With `history` a list, the K/V read at every (depth, layer)
+    are appended to it (the committed rollout of counterfactual training)."""
 
     def __init__(self, n_layer, history=None):
-        self.k, self.v = [None] * n_layer, [None] * n_layer
-        self.frozen = None  # (B, T) bool
+        self.k, self.v = [[] for _ in range(n_layer)], [[] for _ in range(n_layer)]
+        self.read = None      # (B, T) long
         self.history = history
 
     def layer_kv(self, layer, k, v):
-        if self.k[layer] is not None:
-            keep = self.frozen[:, None, :, None]
-            k, v = torch.where(keep, self.k[layer], k), torch.where(keep, self.v[layer], v)
-        self.k[layer], self.v[layer] = k, v
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        at = self.read[None, :, None, :, None].expand(1, *k.shape)          # depth index of every key
+        k, v = torch.stack(self.k[layer]).gather(0, at)[0], torch.stack(self.v[layer]).gather(0, at)[0]
         if self.history is not None:
             self.history.append((k, v))
         T = k.shape[2]
         return k, v, torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
 
 
-class PrivateKV:
-    """Private-diagonal attention of counterfactual training (Eq. 17): over 2S columns
-    [committed | candidate], query i reads the committed K/V of tokens j < i (read at
-    min(d, ê_j), detached) and only its own candidate K/V at this depth."""
-
-    def __init__(self, committed, depth, n_layer):
-        self.committed, self.base = committed, depth * n_layer
-
-    def layer_kv(self, layer, k, v):
-        ck, cv = self.committed[self.base + layer]
-        T = k.shape[2]
-        eye = torch.eye(T, dtype=torch.bool, device=k.device)
-        mask = torch.cat([torch.ones_like(eye).tril(-1), eye], dim=1)  # (S, 2S)
-        return torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2), mask
-
-
 def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None, n_run=None,
                    history=None):
-    """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but once a
-    token stops, its hidden state is frozen and, in every layer, later tokens read its terminal
-    K/V instead of fresh ones. The oracle of the paged path, and the training path.
+    """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but a token that
+    stopped keeps its hidden state, and later tokens read its K/V at min(d, e_j) (RaggedReads). The
+    oracle of the paged engine, and the forward of ragged-aware training.
 
     Exits, decided online at each depth from gates <= d: given (`exits`, 1-based, B x T), sampled
-    (`uniforms` B x T x U: exit at d when u_d < λ_d), or by threshold (`taus`, a number or B x T).
-    `full` (B x T bool): keep running to the last depth after the exit is decided (dense prefill).
-    Returns exits, gate_logits, the normed exit states, logits at the exit and, with targets,
-    the cross-entropy at the exit depth per token and its mean (one logits computation)."""
+    (`uniforms` B x T x U: exit at d when u_d < λ_d), or by threshold (`taus`, a number or B x T,
+    Eq. 4). `full` (B x T bool): keep running to the last depth after the exit is decided (a dense
+    prefill, Ouro mode). Returns exits, gate_logits, the normed exit states, logits at the exit and,
+    with targets, the cross-entropy at the exit depth per token and its mean (one logits call)."""
     B, T = idx.shape
     U = n_run or model.config.n_loops
+    dev = idx.device
     h = model.embed_tokens(idx)
-    cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
+    cos, sin = model.rope(torch.arange(T, device=dev), h.dtype)
     pdt = at_least_fp32(h.dtype)
     if taus is not None and not torch.is_tensor(taus):
-        taus = torch.full((B, T), float(taus), dtype=pdt, device=idx.device)
-    full = torch.zeros(B, T, dtype=torch.bool, device=idx.device) if full is None else full
-    survive = torch.ones(B, T, dtype=pdt, device=idx.device)
-    decided = torch.zeros(B, T, dtype=torch.long, device=idx.device)
-    stopped = torch.zeros(B, T, dtype=torch.bool, device=idx.device)
+        taus = torch.full((B, T), float(taus), dtype=pdt, device=dev)
+    full = torch.zeros(B, T, dtype=torch.bool, device=dev) if full is None else full
+    survive = torch.ones(B, T, dtype=pdt, device=dev)
+    decided = torch.zeros(B, T, dtype=torch.long, device=dev)     # e_i once decided (0: not yet)
+    last = torch.full((B, T), U, dtype=torch.long, device=dev)    # the last depth token j runs (U while running)
     states = torch.zeros_like(h)
-    gates, kv = [], TerminalKV(model.config.n_layer, history)
-    for d in range(U):
-        kv.frozen = stopped
+    gates, kv = [], RaggedReads(model.config.n_layer, history)
+    for d in range(1, U + 1):
+        kv.read = torch.clamp(last, max=d) - 1                      # Eq. 7: read K/V at min(d, e_j)
         hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
         gates.append(gate)
         if exits is not None:
-            now = exits == d + 1
-        elif uniforms is not None:
-            now = uniforms[..., d] < torch.sigmoid(gate.detach().to(uniforms.dtype))
+            now = exits == d
+        elif uniforms is not None:                                  # §5: exit at d with probability λ_d
+            now = uniforms[..., d - 1] < torch.sigmoid(gate.detach().to(uniforms.dtype))
         else:
-            survive, now = exit_now(survive, gate.detach(), taus)  # Eq. 4, online
-        new = (decided == 0) & (now | (d == U - 1))
-        decided = torch.where(new, d + 1, decided)
+            survive, now = exit_now(survive, gate.detach(), taus)   # Eq. 4, online
+        running = last >= d                                         # ran depth d
+        new = (decided == 0) & (now | (d == U))
+        decided = torch.where(new, d, decided)
         states = torch.where(new[..., None], hn, states)
-        h = torch.where(stopped[..., None], h, h_next)           # exited tokens stay frozen
-        stopped = stopped | (new & ~full) | (d == U - 1)
+        h = torch.where(running[..., None], h_next, h)              # a stopped token's state stays
+        last = torch.where(new & ~full, d, last)
     out = {"exits": decided, "gate_logits": torch.stack(gates, -1), "states": states}
     logits = model.lm_head(states)
     out["logits"] = logits
@@ -487,308 +458,15 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     return out
 
 
-def forward_counterfactual(model, idx, targets, tau=0.5):
-    """Counterfactual training forward (App. C, Eq. 17-18). A detached threshold rollout commits
-    one exit ê per token and the K/V history it leaves; then every token is privately continued to
-    every depth, attending to the committed states of earlier tokens and only its own candidate
-    (PrivateKV). Returns the candidate losses ℓ^CF_{i,d} (B, T, U), their gate logits and ê."""
-    history = []
-    with torch.no_grad():
-        rollout = forward_ragged(model, idx, taus=tau, history=history)
-    B, T = idx.shape
-    h = model.embed_tokens(idx)
-    cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
-    gates, losses = [], []
-    for d in range(model.config.n_loops):
-        h = model.block(h, cos, sin, PrivateKV(history, d, model.config.n_layer))
-        hn, gate, h = model.exit_heads(h)
-        gates.append(gate)
-        losses.append(model.depth_loss(hn, targets))
-    return {"losses": torch.stack(losses, -1), "gate_logits": torch.stack(gates, -1),
-            "exits": rollout["exits"]}
-
-
-def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
-    """Per-token thresholds for an ETE-Ragged prefill (App. E.2): a threshold of its own, a cosine
-    schedule from 1 (full depth) at the first prompt token down to τ at the last, and the first k
-    tokens at full depth (the Ouro-2.6B prefix fix)."""
-    base = thr if prefill_thr is None else prefill_thr
-    taus = torch.full((n,), float(base), dtype=torch.float64)
-    if prefill_schedule == "cosine" and n > 1:
-        t = torch.arange(n, dtype=torch.float64) / (n - 1)
-        taus = base + (1 - base) * (1 + torch.cos(math.pi * t)) / 2
-    taus[:prefix_full] = FULL
-    return taus
-
+# ----------------------------------------------------------------------------- exit statistics
 
 def exit_stats(exits, U):
-    """Exit-depth fractions, jump rates J_k = P(|e_i - e_{i-1}| = k) and the large-jump rate."""
-    e = torch.as_tensor(exits, dtype=torch.long).reshape(-1)
-    fr = [float((e == d).double().mean()) if len(e) else 0.0 for d in range(1, U + 1)]
-    jumps = (e[1:] - e[:-1]).abs()
-    jr = [float((jumps == k).double().mean()) if len(jumps) else 0.0 for k in range(U)]
+    """The paper's exit metrics of a sequence of exit depths (1-based): the fraction at each depth,
+    the jump rates J_k = P(|e_i - e_{i-1}| = k) for k = 0..U-1, and the large-jump rate Σ_{k>=2} J_k.
+    exits: a list, or a tensor whose last dim is the position (jumps are taken within each row)."""
+    e = torch.as_tensor(exits, dtype=torch.long)
+    jumps = (e[..., 1:] - e[..., :-1]).abs()
+    fr = [float((e == d).double().mean()) if e.numel() else 0.0 for d in range(1, U + 1)]
+    jr = [float((jumps == k).double().mean()) if jumps.numel() else 0.0 for k in range(U)]
     return {"exit_fractions": fr, "jump_rates": jr, "large_jump_rate": float(sum(jr[2:]))}
 
-
-# ----------------------------------------------------------------------------- checkpoints
-
-def atomic_write(path, write):
-    """Write a file atomically: write(tmp) fills a temp file beside `path`, which gets the usual
-    permissions (0666 less the umask; mkstemp would leave 0600) and is then renamed over `path`.
-    An interrupted write leaves the old file as it was."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def write_json(path, obj):
-    def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-    atomic_write(path, write)
-
-
-def save_checkpoint(obj, path):
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def resolve_device(name):
-    """--device: auto (CUDA when there is one, else the CPU), cpu, cuda, cuda:N or mps."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device={name}: CUDA is not available on this machine; use --device=cpu or auto")
-        index = int(name.split(":")[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
-    return name
-
-
-def resolve_ckpt_path(path, flag="--ckpt"):
-    if os.path.isdir(path):
-        path = os.path.join(path, "ckpt.pt")
-    if not os.path.isfile(path):
-        raise UserError(f"{flag}: no checkpoint at {path!r}: give a ckpt.pt file or a directory holding one "
-                        "(train.py writes out_dir/ckpt.pt)")
-    return path
-
-
-def load_checkpoint(path, device="cpu", dtype=None, flag="--ckpt"):
-    """The one loader used by train, sample and serve: our ckpt.pt (file or directory) or an Ouro
-    Hugging Face folder (config.json + safetensors), detected automatically. `flag` names the
-    option in error messages. Returns (model, checkpoint dict)."""
-    if is_ouro_folder(path):
-        return load_ouro(path, device, dtype)
-    path = resolve_ckpt_path(path, flag)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not written by torch.save, or holding more than tensors
-        raise UserError(f"{flag}={path}: not a readable PyTorch checkpoint (torch.load: {type(e).__name__}); "
-                        "is it truncated, or another kind of file?")
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_args"), dict) or "model" not in ckpt:
-        raise UserError(f"{flag}={path}: a PyTorch file, but not one of our checkpoints (no 'model' and "
-                        "'model_args'; train.py writes them)")
-    known = {f.name for f in fields(GPTConfig)}
-    try:
-        cfg = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in known})
-        model = LoopedLM(cfg)
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise UserError(f"{flag}={path}: its model_args do not describe a model ({type(e).__name__})")
-    state = ckpt["model"]
-    want = model.state_dict()
-    bad = sorted(set(want) ^ set(state)) or sorted(k for k in want if tuple(want[k].shape) != tuple(state[k].shape))
-    if bad:
-        raise UserError(f"{flag}={path}: its weights do not match its model_args ({len(bad)} mismatched, "
-                        f"e.g. {bad[0]})")
-    model.load_state_dict(state)
-    model.to(device)
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    return model, ckpt
-
-
-def model_args(cfg):
-    return asdict(cfg)
-
-
-# ----------------------------------------------------------------------------- Ouro checkpoints (Hugging Face format)
-
-# config.json field -> GPTConfig field (DESIGN.md "The model")
-OURO_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
-               "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
-               "intermediate_size": "ffn_hidden", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
-               "total_ut_steps": "n_loops", "max_position_embeddings": "block_size"}
-
-
-def is_ouro_folder(path):
-    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-            and any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")))
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise UserError("Ouro checkpoints are safetensors files: install the optional package with "
-                        "`pip install safetensors`")
-    return safetensors.torch
-
-
-def ouro_key(key):
-    """Our parameter name -> Ouro's: everything but the LM head lives under `model.`."""
-    return key if key.startswith("lm_head.") else "model." + key
-
-
-# The other fields of the published Ouro configs (1.4B, 2.6B and their -Thinking variants). Each is
-# either inert here (it does not change what the model computes) or accepted with the only value
-# that we implement; anything else in a config.json is refused, so no field silently changes the model.
-# (tie_word_embeddings and head_dim are read by the loader; max_window_layers and sliding_window act
-# only with use_sliding_window; early_exit_threshold is Ouro's own τ, ours is --thr.)
-OURO_INERT = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
-              "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "early_exit_threshold",
-              "tie_word_embeddings", "head_dim", "max_window_layers", "sliding_window"}
-OURO_ONLY = {"hidden_act": ["silu"], "rope_scaling": [None], "use_sliding_window": [False],
-             "attention_dropout": [0, 0.0], "attention_bias": [False]}
-
-
-def ouro_config(folder):
-    with open(os.path.join(folder, "config.json")) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{folder}/config.json is not valid JSON ({e})")
-    if hf.get("model_type", "ouro") != "ouro":
-        raise UserError(f"{folder}: model_type {hf.get('model_type')!r} is not 'ouro'")
-    missing = [k for k in OURO_FIELDS if k not in hf and k not in ("num_key_value_heads", "max_position_embeddings")]
-    if missing:
-        raise UserError(f"{folder}/config.json lacks {', '.join(missing)}")
-    for key, value in hf.items():
-        if key in OURO_ONLY and value not in OURO_ONLY[key]:
-            raise UserError(f"{folder}/config.json: {key}={value!r} is not implemented here (only "
-                            f"{' or '.join(map(repr, OURO_ONLY[key]))}); refusing rather than computing another model")
-        if key == "layer_types" and any(t != "full_attention" for t in value):
-            raise UserError(f"{folder}/config.json: layer_types other than 'full_attention' "
-                            f"({sorted(set(value) - {'full_attention'})}) are not implemented here")
-        if key not in OURO_FIELDS and key not in OURO_INERT and key not in OURO_ONLY and key != "layer_types":
-            raise UserError(f"{folder}/config.json: field {key}={value!r} is not one of the Ouro config fields "
-                            "this loader implements; refusing rather than ignoring it")
-    args = {ours: hf[theirs] for theirs, ours in OURO_FIELDS.items() if theirs in hf}
-    args.setdefault("n_kv_head", args["n_head"])
-    args.setdefault("block_size", 4096)
-    # Ouro normalizes the hidden state after every loop; the in-branch gains come from the weights
-    cfg = GPTConfig(**args, loop_norm=True, branch_norm_init=1.0)
-    if "head_dim" in hf and hf["head_dim"] != cfg.head_dim:
-        raise UserError(f"{folder}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
-    if len(hf.get("layer_types", [None] * cfg.n_layer)) != cfg.n_layer:
-        raise UserError(f"{folder}/config.json: layer_types has {len(hf['layer_types'])} entries for {cfg.n_layer} layers")
-    return cfg, hf
-
-
-def read_ouro_tensors(folder):
-    st = _safetensors()
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        try:
-            tensors.update(st.load_file(os.path.join(folder, name)))
-        except Exception as e:
-            raise UserError(f"cannot read {folder}/{name}: {type(e).__name__}: {str(e)[:160]}")
-    return tensors
-
-
-def load_ouro(folder, device="cpu", dtype=None):
-    """Load an Ouro folder strictly: every key consumed, every parameter filled, shapes checked.
-    The stored dtype (bf16) is kept unless `dtype` is given."""
-    cfg, hf = ouro_config(folder)
-    tensors = read_ouro_tensors(folder)
-    with torch.device("meta"):
-        model = LoopedLM(cfg)
-    want = {ouro_key(k): v.shape for k, v in model.state_dict().items()}
-    if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    if missing or extra:
-        raise UserError(f"{folder}: checkpoint keys do not match an Ouro model of this config: "
-                        f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-                        f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
-    for k, shape in want.items():
-        if tuple(tensors[k].shape) != tuple(shape):
-            raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
-    state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
-    model.load_state_dict(state, strict=True, assign=True)
-    model.to(device)
-    if dtype is not None:
-        model.to(dtype)
-    model.eval()
-    meta = {}
-    if os.path.isfile(os.path.join(folder, "meta.json")):          # exported from here: our tokenizer
-        with open(os.path.join(folder, "meta.json")) as f:
-            meta = json.load(f)
-    elif os.path.isfile(os.path.join(folder, "tokenizer.json")):   # Ouro's own (SmolLM2-style)
-        meta = {"tokenizer": "hf", "path": os.path.join(folder, "tokenizer.json"), "vocab_size": cfg.vocab_size}
-    return model, {"model_args": asdict(cfg), "meta": meta, "ouro_config": hf}
-
-
-OURO_HUB = "ByteDance/Ouro-1.4B"  # where the published Ouro modeling code lives (for auto_map)
-
-
-def export_ouro(model, folder, meta=None, dtype=torch.bfloat16, force=False):
-    """Write an Ouro-format folder: config.json (model_type "ouro", an auto_map to the Ouro modeling
-    code on the Hub) + model.safetensors with Ouro's key names. Refuses a model that Ouro's code
-    would run differently, and an existing Ouro folder unless `force`."""
-    cfg = model.config
-    if not cfg.loop_norm:
-        raise UserError("this model was trained without the per-loop norm (loop_norm=False); Ouro's code "
-                        "normalizes the hidden state after every loop and would compute something else. "
-                        "Only models trained with --loop_norm can be exported")
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UserError(f"--out={folder}: exists and is not a folder")
-    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json"]
-    present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
-    if present and not force:
-        raise UserError(f"--out={folder}: already holds {', '.join(present)}; give --force to overwrite it")
-    st = _safetensors()
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):  # a sharded folder: its index would shadow the new single file
-        with open(index) as f:
-            shards = set(json.load(f).get("weight_map", {}).values())
-        for name in shards:
-            if os.path.isfile(os.path.join(folder, name)):
-                os.remove(os.path.join(folder, name))
-        os.remove(index)
-    hf = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "hidden_act": "silu",
-          "head_dim": cfg.head_dim, "tie_word_embeddings": False, "early_exit_threshold": 1.0,
-          "torch_dtype": str(dtype).replace("torch.", ""), "use_cache": True, "attention_dropout": 0.0,
-          "rope_scaling": None, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
-          "layer_types": ["full_attention"] * cfg.n_layer, "initializer_range": 0.02,
-          "auto_map": {"AutoConfig": f"{OURO_HUB}--configuration_ouro.OuroConfig",
-                       "AutoModel": f"{OURO_HUB}--modeling_ouro.OuroModel",
-                       "AutoModelForCausalLM": f"{OURO_HUB}--modeling_ouro.OuroForCausalLM"}}
-    hf.update({theirs: getattr(cfg, ours) for theirs, ours in OURO_FIELDS.items()})
-    tensors = {ouro_key(k): v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
-    atomic_write(os.path.join(folder, "model.safetensors"),
-                 lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
-    write_json(os.path.join(folder, "config.json"), hf)
-    if meta:
-        write_json(os.path.join(folder, "meta.json"), meta)
-    return folder

@@ -20,8 +20,9 @@ import urllib.request
 
 import numpy as np
 
-from configurator import parse, run_cli
-from model import UserError, atomic_write, write_json
+from checkpoint import atomic_write, write_json
+from configurator import UserError, parse, run_cli
+from tokenizer import char_meta, gpt2_encoding, load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
@@ -41,57 +42,6 @@ DEFAULTS = dict(
 RULES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed=">= 0", size=">= 100", val_fraction="in (0, 1)", tokens=">= 100",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
-
-
-# ----------------------------------------------------------------------------- tokenizers
-
-def gpt2_encoding(tiktoken_file=""):
-    """tiktoken's GPT-2 encoding; from a local ranks file when given (no network needed)."""
-    import tiktoken
-    if not tiktoken_file:
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise UserError(f"cannot fetch the GPT-2 encoding ({type(e).__name__}); "
-                            "pass --tiktoken_file=PATH to a gpt2.tiktoken ranks file")
-    if not os.path.isfile(tiktoken_file):
-        raise UserError(f"--tiktoken_file={tiktoken_file!r} does not exist")
-    from tiktoken.load import load_tiktoken_bpe
-    from tiktoken_ext.openai_public import r50k_pat_str
-    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
-                             mergeable_ranks=load_tiktoken_bpe(tiktoken_file),
-                             special_tokens={"<|endoftext|>": 50256})
-
-
-def char_meta(chars):
-    return {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars)}
-
-
-def load_tokenizer(meta, tiktoken_file=""):
-    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str)."""
-    if meta.get("tokenizer") == "char":
-        chars = meta["chars"]
-        stoi = {c: i for i, c in enumerate(chars)}
-
-        def encode(s):
-            bad = sorted({c for c in s if c not in stoi})
-            if bad:
-                raise UserError(f"characters {''.join(bad)!r} are not in this model's vocabulary "
-                                f"({chars!r})")
-            return [stoi[c] for c in s]
-        return encode, lambda ids: "".join(chars[i] for i in ids)
-    if meta.get("tokenizer") == "hf":  # an Ouro folder's tokenizer.json (SmolLM2-style)
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
-                            "(pip install tokenizers); --prompt_ids works without it")
-        tok = Tokenizer.from_file(meta["path"])
-        return (lambda s: tok.encode(s, add_special_tokens=False).ids), (lambda ids: tok.decode(ids, skip_special_tokens=False))
-    if meta.get("tokenizer") == "gpt2":
-        enc = gpt2_encoding(tiktoken_file)
-        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2, hf")
 
 
 # ----------------------------------------------------------------------------- synthetic

@@ -44,6 +44,22 @@ class DenseLanes:
 
 # ----------------------------------------------------------------------------- Ragged KV pages (App. A.1)
 
+def page_bytes(model):
+    """Bytes of one KV page: one token's K and V at one depth, in every layer."""
+    cfg, p = model.config, model.lm_head.weight
+    return cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * p.element_size()
+
+
+def pool_pages(model, kv_pages=0, kv_memory=0.0, max_batch=32):
+    """--kv_pages, else --kv_memory GiB, else max_batch full contexts at every depth, at most 2 GiB."""
+    cfg = model.config
+    if kv_pages:
+        return kv_pages
+    if kv_memory:
+        return int(kv_memory * 2**30 // page_bytes(model))
+    return min(max_batch * cfg.block_size * cfg.n_loops, 2 * 2**30 // page_bytes(model))
+
+
 class PoolExhausted(Exception):
     """The page pool has too few free pages. Nothing was allocated; every sequence is unchanged."""
 

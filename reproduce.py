@@ -27,8 +27,9 @@ import torch
 
 import prepare_data
 import train
-from configurator import parse, run_cli
-from model import UserError, forward_ragged, load_checkpoint, write_json
+from checkpoint import load_checkpoint, write_json
+from configurator import UserError, parse, run_cli
+from model import forward_ragged
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)

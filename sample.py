@@ -29,16 +29,12 @@ import sys
 import numpy as np
 import torch
 
-from configurator import device_rule, parse, run_cli
-from model import UserError, exit_stats, load_checkpoint, resolve_device
-from prepare_data import load_tokenizer
+from checkpoint import load_for_script
+from configurator import DTYPES, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
-from serve_depthbatch import Engine, Request
-
-
-def _has(module):
-    import importlib.util
-    return importlib.util.find_spec(module) is not None
+from model import check_prompt, exit_stats
+from serve_depthbatch import MODES, Engine, Request
+from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
     ckpt="out",            # a directory holding ckpt.pt, or the file
@@ -65,11 +61,10 @@ DEFAULTS = dict(
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
-MODES = ["fixed", "ouro", "dense_ragged", "ete_ragged", "last_kv", "shared_kv", "collapse_kv"]
-RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature=">= 0", top_k=">= 0", top_p="in (0, 1]",
-             seed=">= 0", thr="in [0, 1]", mode=[""] + MODES, depth=">= 1", prefill_thr="in [0, 1]",
+RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
+             seed=">= 0", thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
-             dtype=["", "float32", "float64", "bfloat16"])
+             dtype=list(DTYPES))
 
 
 def check_args(c, U):
@@ -85,33 +80,6 @@ def check_args(c, U):
     if mode == "fixed" and thr is not None and c["mode"]:
         raise UserError(f"--thr={thr}: --mode=fixed runs --depth loops per token and uses no threshold")
     return mode, (0.5 if thr is None else float(thr)), depth
-
-
-IM_START, IM_END = 1, 2  # Ouro's ChatML ids (the shipped configs say bos/eos/pad 0)
-
-
-def check_chat(meta):
-    """--chat needs Ouro's ChatML tokens <|im_start|> = 1 and <|im_end|> = 2 in the tokenizer."""
-    ok = False
-    if meta.get("tokenizer") == "hf":
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(meta["path"])
-        ok = tok.token_to_id("<|im_start|>") == IM_START and tok.token_to_id("<|im_end|>") == IM_END
-    if not ok:
-        raise UserError(f"--chat: this model's tokenizer ({meta.get('tokenizer', 'none')}) has no ChatML tokens "
-                        f"<|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is for Ouro (Thinking) checkpoints")
-
-
-def chat_ids(turns, encode, think=False):
-    """Ouro's ChatML, the one template of sample.py, eval.py and the server: a
-    <|im_start|>{role}\n{content}<|im_end|>\n per (role, content) turn, then <|im_start|>assistant\n
-    (and <think>\n to open the Thinking models' reasoning). Content is text or token ids; the special
-    tokens go in as ids, so it works whatever the tokenizer does with their strings."""
-    ids = []
-    for role, content in turns:
-        body = encode(content) if isinstance(content, str) else list(content)
-        ids += [IM_START] + encode(role + "\n") + body + [IM_END] + encode("\n")
-    return ids + [IM_START] + encode("assistant\n" + ("<think>\n" if think else ""))
 
 
 def prompt_ids(c, meta, encode):
@@ -175,15 +143,9 @@ def show_exits(tokens, exits, decode, U, prompt_text):
 
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
-    dtypes = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-    device = resolve_device(c["device"])
-    model, ckpt = load_checkpoint(c["ckpt"], device, dtypes[c["dtype"]])
+    model, meta, encode, decode, _ = load_for_script(c)
     U = model.config.n_loops
     mode, thr, depth = check_args(c, U)
-    meta = ckpt.get("meta") or {}
-    encode = decode = None
-    if meta and (c["prompt_ids"] == "" or meta.get("tokenizer") != "hf" or _has("tokenizers")):
-        encode, decode = load_tokenizer(meta, c["tiktoken_file"])
     if encode is None and c["prompt_ids"] == "":
         raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated token ids)")
     ids = prompt_ids(c, meta, encode)
@@ -192,14 +154,12 @@ def main(argv):
             raise UserError("--chat needs the model's tokenizer (pip install tokenizers)")
         check_chat(meta)
         ids = chat_ids([("user", ids)], encode)
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-    if bad:
-        raise UserError(f"--prompt_ids: token id {bad[0]} is outside this model's vocabulary [0, {model.config.vocab_size})")
-    if len(ids) >= model.config.block_size:
-        raise UserError(f"--prompt: {len(ids)} tokens, but the context length is block_size={model.config.block_size}; "
-                        f"give at most {model.config.block_size - 1} tokens")
+    try:
+        check_prompt(model.config, ids, 1)               # the prompt itself, with room for one token
+    except UserError as e:
+        raise UserError(f"--{'prompt_ids' if c['prompt_ids'] != '' else 'prompt'}: {e}")
     room = model.config.block_size - len(ids)
-    if 0 < room < c["max_new_tokens"]:
+    if room < c["max_new_tokens"]:
         print(f"note: max_new_tokens={c['max_new_tokens']} cut to {room} to fit the context "
               f"length {model.config.block_size}", file=sys.stderr)
         c["max_new_tokens"] = room

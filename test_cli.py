@@ -13,7 +13,7 @@ import export_ouro
 import prepare_data
 import reproduce
 import sample
-import serve_depthbatch
+import server
 import train
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
@@ -84,12 +84,12 @@ CASES = [
     (sample, ["--thr=0.5", "--prefix_full=2"], "prefix_full"), (sample, ["--mode=fixed", "--thr=0.5"], "thr"),
     (sample, ["--dtype=int8"], "dtype"), (sample, ["--max_new_tokens=0"], "max_new_tokens"),
     (sample, ["--prompt_ids=999"], "prompt_ids"),
-    (serve_depthbatch, ["--port=70000"], "port"), (serve_depthbatch, ["--scheduler=fifo"], "scheduler"),
-    (serve_depthbatch, ["--attn=cuda_magic"], "attn"), (serve_depthbatch, ["--max_batch=0"], "max_batch"),
-    (serve_depthbatch, ["--kv_pages=-1"], "kv_pages"), (serve_depthbatch, ["--bench", "--thr=2"], "thr"),
-    (serve_depthbatch, ["--bench", "--batches=a,b"], "batches"), (serve_depthbatch, ["--bench", "--batches=8", "--requests=4"], "requests"),
-    (serve_depthbatch, ["--ckpt=nowhere"], "ckpt"),
-    (serve_depthbatch, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (serve_depthbatch, ["--device=cuda"], "device"),
+    (server, ["--port=70000"], "port"), (server, ["--scheduler=fifo"], "scheduler"),
+    (server, ["--attn=cuda_magic"], "attn"), (server, ["--max_batch=0"], "max_batch"),
+    (server, ["--kv_pages=-1"], "kv_pages"), (bench, ["--what=engine", "--engine_thr=2"], "engine_thr"),
+    (bench, ["--what=engine", "--batches=a,b"], "batches"), (bench, ["--what=engine", "--batches=8", "--requests=4"], "requests"),
+    (server, ["--ckpt=nowhere"], "ckpt"),
+    (server, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (server, ["--device=cuda"], "device"),
     (reproduce, [], "quick"), (reproduce, ["--quick", "--full"], "full"), (reproduce, ["--quick", "--seeds=0"], "seeds"),
     (reproduce, ["--quick", "--input=missing.txt"], "input"), (reproduce, ["--quick", "--only=nope"], "only"),
 ]
@@ -113,10 +113,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(sandbox, monkeypatch, 
 
 def test_at_least_forty_cases():
     assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample,
-                                                              serve_depthbatch, reproduce}
+                                                              server, reproduce}
 
 
-@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, serve_depthbatch, reproduce, eval_py])
+@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, server, reproduce, eval_py])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -125,3 +125,13 @@ def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     out = capsys.readouterr().out
     for key, default in script.DEFAULTS.items():
         assert f"--{key}={default!r}" in out
+
+
+def test_the_engine_file_points_to_the_server_and_the_benchmark():
+    """serve_depthbatch.py is a library now: run as a script it says where serving and its benchmark went."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "serve_depthbatch.py", "--ckpt", "out/"], cwd=here, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "python server.py" in r.stderr and "bench.py --what=engine" in r.stderr

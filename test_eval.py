@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import eval as ev
-from model import GPTConfig, LoopedLM, forward_ragged, model_args, save_checkpoint
-from prepare_data import SYNTH_CHARS, char_meta, load_tokenizer
+from checkpoint import model_args, save_checkpoint
+from model import GPTConfig, LoopedLM, forward_ragged
+from prepare_data import SYNTH_CHARS
+from tokenizer import char_meta, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ def test_auto_is_torch_on_the_cpu_and_bad_impls_are_refused():
 @pytest.mark.parametrize("attn", ["triton", "flex", "auto"])
 def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
     from serve_depthbatch import Engine, Request
-    from test_ragged import prompt, varied_model
+    from conftest import prompt, varied_model
     model = varied_model().float()
     p1, p2 = prompt(9), prompt(5)
     reqs = lambda: [Request(p1, 8, "ete_ragged", 0.4, keep_logits=True), Request(p2, 6, "dense_ragged", 0.3, keep_logits=True)]
@@ -128,7 +128,7 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
 
 def test_the_core_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels, model, ragged, serve_depthbatch, sample, train\n"
+            "import kernels, model, ragged, serve_depthbatch, server, checkpoint, tokenizer, bench, sample, train\n"
             "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
             "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)

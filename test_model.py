@@ -4,23 +4,9 @@ import math
 import pytest
 import torch
 
-from model import (GPTConfig, LoopedLM, exit_cdf, exit_now, exit_pdf, generate, sample_exit,
-                   sample_token, threshold_exit)
-
-
-def random_model(seed, **overrides):
-    """A float64 model with weights large enough that exits and tokens really vary."""
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40)
-    cfg.update(overrides)
-    model = LoopedLM(GPTConfig(**cfg)).double().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.25)
-            if p.dim() == 1 and p.numel() > 1:  # norm gains around 1
-                p.add_(1.0)
-        model.early_exit_gate.weight.mul_(4.0)
-    return model
+from conftest import random_model
+from model import GPTConfig, LoopedLM, exit_cdf, exit_now, exit_pdf, generate, sample_exit, threshold_exit
+from serve_depthbatch import sample_token
 
 
 def brute_pdf(lam):

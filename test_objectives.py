@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import prepare_data
 import train
-from model import attention, exit_log_pdf, forward_counterfactual, forward_ragged
-from test_model import random_model
-from test_train import TINY, read_log
+from conftest import TINY, random_model, read_log
+from model import attention, exit_log_pdf, forward_ragged
+from train import forward_counterfactual
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

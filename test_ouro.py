@@ -10,55 +10,12 @@ import pytest
 import torch
 
 import sample
-from model import GPTConfig, LoopedLM, UserError, export_ouro, forward_ragged, load_checkpoint
+import tokenizer
+from checkpoint import export_ouro, load_checkpoint
+from configurator import UserError
+from conftest import CFG, NORMS, make_tokenizer, ouro_tensors, write_folder
+from model import GPTConfig, LoopedLM, forward_ragged
 from serve_depthbatch import Engine, Request
-
-CFG = dict(vocab_size=50, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-           intermediate_size=48, rope_theta=1e6, rms_norm_eps=1e-6, total_ut_steps=4,
-           max_position_embeddings=128, tie_word_embeddings=False, model_type="ouro",
-           architectures=["OuroForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
-NORMS = ["input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"]
-
-
-def ouro_tensors(cfg, seed, dtype=torch.float32):
-    """Random weights under Ouro's exact key names."""
-    g = torch.Generator().manual_seed(seed)
-    H, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd = H // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
-    r = lambda *s, scale=0.2: (torch.randn(*s, generator=g) * scale).to(dtype)
-    t = {"model.embed_tokens.weight": r(V, H, scale=1.0), "model.norm.weight": 1 + r(H),
-         "model.early_exit_gate.weight": r(1, H, scale=0.3), "model.early_exit_gate.bias": r(1, scale=1.0),
-         "lm_head.weight": r(V, H)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t.update({p + "self_attn.q_proj.weight": r(H, H), p + "self_attn.k_proj.weight": r(kv, H),
-                  p + "self_attn.v_proj.weight": r(kv, H), p + "self_attn.o_proj.weight": r(H, H),
-                  p + "mlp.gate_proj.weight": r(F, H), p + "mlp.up_proj.weight": r(F, H),
-                  p + "mlp.down_proj.weight": r(H, F)})
-        t.update({p + n + ".weight": 1 + r(H) for n in NORMS})
-    return t
-
-
-def write_folder(path, cfg, tensors, shards=1):
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    if shards == 1:
-        save_file(tensors, os.path.join(path, "model.safetensors"))
-        return path
-    keys = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: tensors[k] for k in keys[s::shards]}
-        save_file(part, os.path.join(path, name))
-        weight_map.update({k: name for k in part})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return path
-
 
 def reference_ouro(t, cfg, ids):
     """Ouro's forward from DESIGN.md, plain torch, float64: four RMSNorms per layer (sandwich),
@@ -231,23 +188,11 @@ def _umask():
     return mask
 
 
-def make_tokenizer(path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "\n": 3, "user": 4, "assistant": 5}
-    for w in "the cat sat on a mat dog".split():
-        vocab[w] = len(vocab)
-    vocab["[UNK]"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split("\n", "isolated")])
-    tok.decoder = decoders.WordPiece()
-    tok.save(path)
-
-
 def test_chat_template_turns_text_or_ids_and_thinking():
     enc = lambda s: [ord(ch) for ch in s]           # a character "tokenizer": the template is readable back
-    text = lambda ids: "".join({sample.IM_START: "<S>", sample.IM_END: "<E>"}.get(i, chr(i)) for i in ids)
-    assert text(sample.chat_ids([("user", enc("hi"))], enc)) == "<S>user\nhi<E>\n<S>assistant\n"
-    assert text(sample.chat_ids([("system", "be kind"), ("user", "hi")], enc, think=True)) == \
+    text = lambda ids: "".join({tokenizer.IM_START: "<S>", tokenizer.IM_END: "<E>"}.get(i, chr(i)) for i in ids)
+    assert text(tokenizer.chat_ids([("user", enc("hi"))], enc)) == "<S>user\nhi<E>\n<S>assistant\n"
+    assert text(tokenizer.chat_ids([("system", "be kind"), ("user", "hi")], enc, think=True)) == \
         "<S>system\nbe kind<E>\n<S>user\nhi<E>\n<S>assistant\n<think>\n"
 
 
@@ -261,7 +206,7 @@ def test_sample_on_ouro_folder_with_tokenizer_chat_and_ids(tmp_path, monkeypatch
     sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt", "the cat", "--chat", "--max_new_tokens=4", "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["prompt_tokens"] == [1, 4, 3, 6, 7, 2, 3, 1, 5, 3]
-    monkeypatch.setattr(sample, "_has", lambda m: False)   # no `tokenizers`: ids still work
+    monkeypatch.setitem(sys.modules, "tokenizers", None)   # no `tokenizers`: ids still work
     res = sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt_ids", "6,7,8", "--max_new_tokens=3",
                        "--temperature=0", "--mode=ete_ragged"])
     assert res[0]["text"] is None and len(res[0]["tokens"]) == 3

@@ -6,35 +6,10 @@ import random
 import pytest
 import torch
 
-from model import FULL, prompt_thresholds
+from conftest import U, prompt, varied_model
+from model import FULL
 from ragged import PageError, PagePool, PoolExhausted, RaggedSeq
-from test_model import random_model
-
-U = 4
-
-
-def varied_model(seed=None):
-    """A float64 model whose threshold exits spread over all depths."""
-    seed = random.choice([1, 2]) if seed is None else seed
-    model = random_model(seed)
-    with torch.no_grad():
-        model.early_exit_gate.weight.mul_(0.4)
-        model.early_exit_gate.bias.fill_(-0.5)
-    return model
-
-
-def prompt(n):
-    return torch.randint(0, 37, (n,)).tolist()
-
-
-def oracle_taus(n_prompt, n_total, mode, thr, **prefill):
-    taus = torch.full((1, n_total), float(thr), dtype=torch.float64)
-    if mode == "dense_ragged":
-        taus[0, :n_prompt] = FULL
-    else:
-        taus[0, :n_prompt] = prompt_thresholds(n_prompt, thr, **prefill)
-    return taus
-
+from serve_depthbatch import prompt_thresholds
 
 def run_random_exits(seq, n, rng):
     """Tokens 0..n-1 run depth by depth, each stopping at a random exit (pages as the engine takes them)."""
@@ -147,7 +122,8 @@ def test_sample_reports_decode_exit_statistics_and_prefill_apart(tmp_path, capsy
     own (all U in Dense-Ragged) are reported under "prefill"; fixed mode reports no threshold."""
     import json
     import sample
-    from model import exit_stats, model_args, save_checkpoint
+    from checkpoint import model_args, save_checkpoint
+    from model import exit_stats
     model = varied_model()
     save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": {}},
                     str(tmp_path / "ckpt.pt"))

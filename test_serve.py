@@ -7,23 +7,10 @@ import random
 import pytest
 import torch
 
-from model import UserError, attention, forward_ragged, generate
+from configurator import UserError
+from conftest import U, alone, assert_same, oracle_taus, prompt, varied_model
+from model import attention, forward_ragged, generate
 from serve_depthbatch import MODES, Engine, Request
-from test_ragged import U, oracle_taus, prompt, varied_model
-
-
-def alone(model, r, **engine_args):
-    """The request on an engine of its own; checks that every page came back and was written once
-    per layer."""
-    e = Engine(model, engine_args.pop("kv_pages", 4000), **engine_args)
-    out = e.run([clone(r)])[0]
-    assert e.pool.used == 0 and e.pool.writes == out.kv["block_evals"] * model.config.n_layer
-    return out
-
-
-def clone(r):
-    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, r.depth, r.temperature, r.top_p, r.top_k, r.seed,
-                   tuple(r.stop), r.prefill_thr, r.prefill_schedule, r.prefix_full, keep_logits=r.keep_logits)
 
 
 def random_request(rng, modes=("fixed", "ouro", "dense_ragged", "ete_ragged")):
@@ -34,11 +21,6 @@ def random_request(rng, modes=("fixed", "ouro", "dense_ragged", "ete_ragged")):
         rng.choice([lambda: setattr(r, "prefill_thr", 0.8), lambda: setattr(r, "prefill_schedule", "cosine"),
                     lambda: setattr(r, "prefix_full", 2)])()
     return r
-
-
-def assert_same(a, b):
-    assert a.tokens == b.tokens and a.exits == b.exits, (a.mode, a.thr)
-    assert torch.allclose(torch.stack(a.logits), torch.stack(b.logits), atol=1e-9, rtol=0)
 
 
 CASES = [("dense_ragged", 0.3, {}), ("dense_ragged", 0.8, {}), ("ete_ragged", 0.3, {}), ("ete_ragged", 0.7, {}),
@@ -140,87 +122,6 @@ def test_threshold_extremes_reproduce_fixed_depths():
     assert generate(model, ids, 12, "fixed", depth=U)[0] == top.tokens
 
 
-def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not():
-    """While requests wait, every continuous pass runs a depth of every one of the B requests in flight
-    (passes = bound); the nested runner idles the rows that exited until its whole wave has."""
-    model = varied_model()
-    work = [(prompt(random.randint(4, 12)), random.randint(8, 20)) for _ in range(16)]
-    ratio = {}
-    for scheduler in ("continuous", "nested"):
-        e = Engine(model, 5000, max_batch=4, scheduler=scheduler)
-        e.run([Request(p, o, "ete_ragged", 0.4) for p, o in work])
-        ratio[scheduler] = e.stats["steady_passes"] / (e.stats["steady_slots"] / 4)
-    assert ratio["continuous"] == 1.0 and ratio["nested"] > 1.2
-
-
-def test_bench_prints_a_consistent_json_line(capsys):
-    """A small --bench (batch 2, 4 requests): the last stdout line is strict JSON with every field the
-    issue names; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets it,
-    fixed is the unit of ratio_vs_fixed and of ideal_ratio, each round is compared with its own fixed
-    engine (the fastest-of ratio lies within the rounds' range), the capacity runs stay in their pool."""
-    import json
-    import serve_depthbatch
-    serve_depthbatch.main(["--bench", "--batches=2", "--requests=4", "--repeats=2"])
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    json.dumps(out, allow_nan=False)
-    U = out["model"]["n_loops"]
-    runs = {(r["scheduler"], r["mode"]): r for r in out["runs"]}
-    assert set(runs) == {("fixed", "fixed")} | {(s, m) for s in ("continuous", "nested") for m in ("dense_ragged", "ete_ragged")}
-    for r in out["runs"]:
-        for key in ("scheduler", "mode", "thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound",
-                    "avg_decode_depth", "ideal_ratio", "kv_physical", "kv_dense", "sum_exits", "peak_pages",
-                    "max_in_flight", "mix_window", "mix_run"):
-            assert key in r, key
-        assert r["kv_physical"] == r["sum_exits"] <= r["kv_dense"] and r["tok_s"] > 0 and r["max_in_flight"] <= 2
-        assert r["passes"] >= r["lower_bound"] - 1e-9
-        assert abs(r["ideal_ratio"] - U / r["avg_decode_depth"]) < 1e-3
-        rounds = r["ratio_rounds"]
-        assert len(rounds) == 2 and min(rounds) - 1e-3 <= r["ratio_vs_fixed"] <= max(rounds) + 1e-3
-    assert runs["fixed", "fixed"]["ratio_rounds"] == [1, 1]
-    assert runs["fixed", "fixed"]["ratio_vs_fixed"] == 1 and runs["fixed", "fixed"]["avg_decode_depth"] == U
-    for mode in ("dense_ragged", "ete_ragged"):
-        assert runs["continuous", mode]["passes"] <= 1.05 * runs["continuous", mode]["lower_bound"]
-    cap = out["capacity"]
-    assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
-
-
-def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch):
-    """The benchmark's engines take turns so that they move through the workload together: every
-    turn goes to a busy engine with the fewest tokens sampled, so no configuration runs a stretch of
-    the machine's time alone while others wait (the timing bias that level turns remove)."""
-    import serve_depthbatch
-    engines, turns, last = [], [], [None]
-
-    class Recorded(Engine):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.reqs = []
-            engines.append(self)
-
-        def add(self, r):
-            self.reqs.append(r)
-            return super().add(r)
-
-    tokens = lambda e: sum(len(r.tokens) for r in e.reqs)
-    step = serve_depthbatch.timed_step
-
-    def timed_step(run):
-        if run["engine"] is not last[0]:      # a new turn: who was chosen, and where everyone stood
-            turns.append((tokens(run["engine"]), [tokens(e) for e in engines if e.busy()]))
-            last[0] = run["engine"]
-        step(run)
-
-    monkeypatch.setattr(serve_depthbatch, "Engine", Recorded)
-    monkeypatch.setattr(serve_depthbatch, "timed_step", timed_step)
-    monkeypatch.setattr(serve_depthbatch, "TURN", 0.0)     # one step per turn: the most turns to check
-    rng = random.Random(int(torch.randint(0, 2**31, ())))
-    work = [(prompt(rng.randint(3, 10)), rng.randint(4, 12)) for _ in range(6)]
-    configs = [("fixed", "fixed"), ("continuous", "dense_ragged"), ("nested", "ete_ragged")]
-    records = serve_depthbatch.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
-    assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
-    assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)
-
-
 def test_fixed_scheduler_runs_every_token_all_loops():
     model = varied_model()
     reqs = [Request(prompt(6 + i), 8, "ete_ragged", 0.3) for i in range(4)]
@@ -256,7 +157,7 @@ def test_a_request_that_can_never_fit_is_rejected_and_nothing_else_moves():
     ok = e.add(Request(prompt(5), 6, "ete_ragged", 0.5))
     with pytest.raises(UserError, match="needs at least 84 KV pages"):   # 20 prompt tokens x U + 4 new
         e.add(Request(prompt(20), 5, "dense_ragged", 0.5))
-    assert list(e.waiting) == [ok]
+    assert [s.req for s in e.waiting] == [ok]
     e.run([])
     assert ok.finish_reason == "length" and e.pool.used == 0
     # fits the lower bound, not the worst case: alone, it fails cleanly when the pool runs dry
@@ -359,183 +260,3 @@ def test_fuzz_random_mixes_with_cancellations_return_every_page():
     for r in reqs:
         if r.finish_reason == "length":
             assert len(r.tokens) == r.max_tokens and len(r.exits) == len(r.prompt) + r.max_tokens - 1
-
-
-# ----------------------------------------------------------------------------- HTTP API
-
-import json
-import socket
-import threading
-import time
-import urllib.error
-import urllib.request
-
-from prepare_data import SYNTH_CHARS, char_meta, load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def http_server():
-    """A char-level random model served on a free loopback port, with the engine thread running."""
-    from model import GPTConfig, LoopedLM
-    from serve_depthbatch import serve
-    torch.manual_seed(0)
-    meta = char_meta(SYNTH_CHARS)
-    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=2, n_head=4, n_embd=32,
-                               ffn_hidden=48)).eval()
-    with torch.no_grad():
-        model.early_exit_gate.weight.normal_(0, 2.0)
-    encode, decode = load_tokenizer(meta)
-    engine = Engine(model, 2000, max_batch=8)
-    httpd, server = serve(engine, "127.0.0.1", 0, encode, decode, "tiny")
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, encode, decode
-    httpd.shutdown()
-    server.stop()
-    httpd.server_close()
-
-
-def post(url, body, raw=False):
-    data = body if raw else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def test_http_completion_equals_the_engine_and_streams_the_same(http_server):
-    url, engine, encode, decode = http_server
-    body = {"prompt": "the red cat", "max_tokens": 12, "temperature": 0, "thr": 0.4, "mode": "ete_ragged"}
-    status, text = post(url + "/v1/completions", body)
-    assert status == 200
-    out = json.loads(text)
-    direct = alone(engine.model, Request(encode("the red cat"), 12, "ete_ragged", 0.4))
-    choice = out["choices"][0]
-    assert choice["tokens"] == direct.tokens and choice["text"] == decode(direct.tokens)
-    assert out["usage"] == {"prompt_tokens": 11, "completion_tokens": 12, "total_tokens": 23}
-    assert choice["exit_stats"]["avg_decode_depth"] == sum(direct.decode_exits) / len(direct.decode_exits)
-    assert abs(sum(out["exit_stats"]["exit_fractions"]) - 1) < 1e-9
-    status, text = post(url + "/v1/completions", dict(body, stream=True))
-    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
-    assert "".join(c["text"] for c in chunks) == choice["text"] and chunks[-1]["finish_reason"] == "length"
-    assert chunks[-1]["exit_stats"]["avg_decode_depth"] == choice["exit_stats"]["avg_decode_depth"]
-    with urllib.request.urlopen(url + "/health") as r:
-        assert json.loads(r.read())["free_pages"] == 2000
-    with urllib.request.urlopen(url + "/v1/models") as r:
-        assert json.loads(r.read())["data"][0]["id"] == "tiny"
-
-
-def test_http_concurrent_requests_are_batched(http_server):
-    url, engine, encode, _ = http_server
-    engine.stats["max_in_flight"] = 0
-    bodies = [{"prompt": "copy abc : ", "max_tokens": 20 + i, "temperature": 0, "thr": 0.2 + 0.1 * i} for i in range(6)]
-    results = [None] * 6
-
-    def go(i):
-        results[i] = post(url + "/v1/completions", bodies[i])
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert all(s == 200 for s, _ in results) and engine.stats["max_in_flight"] >= 2
-    for (_, text), b in zip(results, bodies):
-        direct = alone(engine.model, Request(encode(b["prompt"]), b["max_tokens"], "dense_ragged", b["thr"]))
-        assert json.loads(text)["choices"][0]["tokens"] == direct.tokens
-
-
-def test_openai_client_completions_streaming_stop_and_seeds(http_server):
-    from openai import BadRequestError, OpenAI
-    url, engine, _, _ = http_server
-    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    r = client.completions.create(model="tiny", prompt="the big dog", max_tokens=10, temperature=0,
-                                  extra_body={"thr": 0.3})
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
-    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model="tiny", prompt="the big dog", max_tokens=10, temperature=0, stream=True, extra_body={"thr": 0.3}))
-    assert streamed == r.choices[0].text
-    full = r.choices[0].text
-    stop = next((ch for ch in full[1:] if ch.strip()), None)
-    if stop is not None:                              # a stop string cuts the text before it
-        cut = client.completions.create(model="tiny", prompt="the big dog", max_tokens=10, temperature=0, stop=[stop],
-                                        extra_body={"thr": 0.3})
-        assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
-    a = client.completions.create(model="tiny", prompt="sum 1+2=", max_tokens=8, n=3, seed=7, temperature=1.0)
-    b = client.completions.create(model="tiny", prompt="sum 1+2=", max_tokens=8, n=3, seed=7, temperature=1.0)
-    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
-    with pytest.raises(BadRequestError):
-        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"thr": 1.5})
-
-
-@pytest.mark.parametrize("body,param", [
-    (b"{not json", None), ({"prompt": 5}, "prompt"), ({"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
-    ({"prompt": "a", "max_tokens": -1}, "max_tokens"), ({"prompt": "a", "temperature": "hot"}, "temperature"),
-    ({"prompt": "a", "mode": "warp"}, "mode"), ({"prompt": "a", "thr": 1.5}, "thr"), ({"prompt": "a", "thr": -1}, "thr"),
-    ({"prompt": "a" * 80}, "prompt"), ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "stop": 5}, "stop"),
-    ({"prompt": "ABC"}, "prompt"), ({"prompt": [999]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "messages"), ([1, 2], None),
-    ({"prompt": "a", "stream": "yes"}, "stream"), ({"prompt": "a", "depth": 9}, "depth"),
-])
-def test_http_bad_requests_are_400_and_the_server_keeps_serving(http_server, body, param):
-    url = http_server[0]
-    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
-    status, text = post(url + path, body, raw=isinstance(body, bytes))
-    err = json.loads(text)["error"]
-    assert status == 400 and err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
-    status, _ = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})
-    assert status == 200
-
-
-def test_http_client_disconnect_cancels_and_frees_pages(http_server):
-    url, engine, _, _ = http_server
-    host, port = url[7:].split(":")
-    body = json.dumps({"prompt": "the", "max_tokens": 50, "stream": True, "temperature": 0}).encode()
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    got = b""
-    while b"data: " not in got:                    # the headers, then the first tokens
-        got += sock.recv(4096)
-    sock.close()                                   # and the client goes away mid-stream
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        with urllib.request.urlopen(url + "/health") as r:
-            h = json.loads(r.read())
-        if h["running"] == 0 and h["waiting"] == 0 and h["free_pages"] == engine.pool.n_pages:
-            break
-        time.sleep(0.05)
-    assert h["free_pages"] == engine.pool.n_pages and h["running"] == 0
-    cancelled = [r for r in engine.finished if r.finish_reason == "cancelled"]
-    assert cancelled and len(cancelled[-1].tokens) < 50
-
-
-def test_http_chat_completions_on_an_ouro_folder(tmp_path):
-    from openai import OpenAI
-    from model import load_checkpoint
-    from serve_depthbatch import serve
-    from test_ouro import CFG, make_tokenizer, ouro_tensors, write_folder
-    folder = write_folder(str(tmp_path / "ouro"), CFG, ouro_tensors(CFG, seed=2))
-    make_tokenizer(str(tmp_path / "ouro" / "tokenizer.json"))
-    model, ckpt = load_checkpoint(folder)
-    encode, decode = load_tokenizer(ckpt["meta"])
-    httpd, server = serve(Engine(model, 1000), "127.0.0.1", 0, encode, decode, "ouro", chat=True, eos=0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="none", max_retries=0)
-        r = client.chat.completions.create(model="ouro", messages=[{"role": "user", "content": "the cat"}],
-                                           max_tokens=6, temperature=0)
-        ids = [1] + encode("user\nthe cat") + [2] + encode("\n") + [1] + encode("assistant\n")
-        direct = alone(model, Request(ids, 6, "dense_ragged", 0.5, stop=(2,)))
-        assert r.choices[0].message.role == "assistant" and r.usage.prompt_tokens == len(ids)
-        assert r.choices[0].message.content == decode([t for t in direct.tokens if t != 2])
-        parts = list(client.chat.completions.create(model="ouro", messages=[{"role": "user", "content": "the cat"}],
-                                                    max_tokens=6, temperature=0, stream=True))
-        assert "".join(p.choices[0].delta.content or "" for p in parts) == r.choices[0].message.content
-    finally:
-        httpd.shutdown()
-        server.stop()
-        httpd.server_close()

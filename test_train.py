@@ -12,13 +12,11 @@ import configurator
 import prepare_data
 import sample
 import train
-from model import UserError, exit_pdf
+from configurator import UserError
+from conftest import TINY, read_log
+from model import exit_pdf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
-        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2"]
-
-
 # ----------------------------------------------------------------------------- priors and regularizers
 
 def test_priors_match_appendix_b():
@@ -217,11 +215,6 @@ def data_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("data")
     prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=str(d), size=30000))
     return str(d)
-
-
-def read_log(out):
-    with open(os.path.join(out, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, data_dir):

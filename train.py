@@ -28,9 +28,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from configurator import device_rule, parse, run_cli
-from model import (GPTConfig, LoopedLM, UserError, exit_log_pdf, exit_pdf, forward_counterfactual,
-                   forward_ragged, load_checkpoint, model_args, resolve_device, save_checkpoint)
+from checkpoint import load_checkpoint, model_args, save_checkpoint
+from configurator import UserError, device_rule, parse, resolve_device, run_cli
+from model import GPTConfig, LoopedLM, exit_log_pdf, exit_pdf, exit_stats, forward_ragged
 
 # ----------------------------------------------------------------------------- defaults
 # I/O
@@ -234,6 +234,43 @@ def reinforce_advantages(G, dense_final_loss, mask):
     return G - b
 
 
+class PrivateKV:
+    """Private-diagonal attention of counterfactual training (Eq. 17): over 2S columns
+    [committed | candidate], query i reads the committed K/V of tokens j < i (read at
+    min(d, ê_j), detached) and only its own candidate K/V at this depth."""
+
+    def __init__(self, committed, depth, n_layer):
+        self.committed, self.base = committed, depth * n_layer
+
+    def layer_kv(self, layer, k, v):
+        ck, cv = self.committed[self.base + layer]
+        T = k.shape[2]
+        eye = torch.eye(T, dtype=torch.bool, device=k.device)
+        mask = torch.cat([torch.ones_like(eye).tril(-1), eye], dim=1)  # (S, 2S)
+        return torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2), mask
+
+
+def forward_counterfactual(model, idx, targets, tau=0.5):
+    """Counterfactual training forward (App. C, Eq. 17-18). A detached threshold rollout commits
+    one exit ê per token and the K/V history it leaves; then every token is privately continued to
+    every depth, attending to the committed states of earlier tokens and only its own candidate
+    (PrivateKV). Returns the candidate losses ℓ^CF_{i,d} (B, T, U), their gate logits and ê."""
+    history = []
+    with torch.no_grad():
+        rollout = forward_ragged(model, idx, taus=tau, history=history)
+    B, T = idx.shape
+    h = model.embed_tokens(idx)
+    cos, sin = model.rope(torch.arange(T, device=idx.device), h.dtype)
+    gates, losses = [], []
+    for d in range(model.config.n_loops):
+        h = model.block(h, cos, sin, PrivateKV(history, d, model.config.n_layer))
+        hn, gate, h = model.exit_heads(h)
+        gates.append(gate)
+        losses.append(model.depth_loss(hn, targets))
+    return {"losses": torch.stack(losses, -1), "gate_logits": torch.stack(gates, -1),
+            "exits": rollout["exits"]}
+
+
 def reinforce_loss(model, x, y, prior, c, beta, uniforms, pi_bar=None):
     """Eq. 22: L_dense + w_rag (L_direct + α L_score) over K sampled Ragged-KV trajectories."""
     out = model(x, y)
@@ -426,8 +463,7 @@ def evaluate(model, val, labels, c, prior, ctx, device):
             diffs.append(windows(labels, starts, c.block_size, 1))
     model.train()
     e = torch.cat(exits)                                    # (batches*B, T)
-    jumps = (e[:, 1:] - e[:, :-1]).abs().reshape(-1)
-    jr = [float((jumps == k).double().mean()) for k in range(U)]
+    stats = exit_stats(e, U)                                # jumps within each sequence
     pi = torch.cat(pis)
     r = lambda v: round(float(v), 5)
     metrics = {
@@ -435,9 +471,9 @@ def evaluate(model, val, labels, c, prior, ctx, device):
         "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
         "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
         "avg_exit_depth": r(e.double().mean()),
-        "exit_fractions": [r((e == d).double().mean()) for d in range(1, U + 1)],
-        "jump_rates": [r(v) for v in jr],
-        "large_jump_rate": r(sum(jr[2:])),
+        "exit_fractions": [r(v) for v in stats["exit_fractions"]],
+        "jump_rates": [r(v) for v in stats["jump_rates"]],
+        "large_jump_rate": r(stats["large_jump_rate"]),
         "kl_global": r(kl_global(pi, prior)),
         "kl_local": r(kl_local(pi, prior)),
     }
@@ -527,67 +563,62 @@ def micro_batches(c, world):
     return n
 
 
-def main(argv):
-    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__))
-    check_config(c)
-    rank, world, device = setup_distributed(c)
-    master = rank == 0
-    n_micro = micro_batches(c, world)
-    random.seed(c.seed)
-    np.random.seed(c.seed)
-    torch.manual_seed(c.seed)
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dataset_meta(c, master, world):
+    """meta.json of the dataset, prepared on rank 0 if it is the default synthetic one."""
     meta = ensure_data(c) if master else None
     if world > 1:
         import torch.distributed as dist
         box = [meta]
         dist.broadcast_object_list(box)  # rank 0 may have just prepared the data
         meta = box[0]
-    train, val = load_split(c, "train"), load_split(c, "val")
-    label_path = os.path.join(c.data_dir, c.dataset, "val_labels.bin")
-    labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
+    return meta
 
+
+def start_model(c, meta, device, master, data_gen, exit_gen):
+    """A new model, a resumed run (weights, optimizer and random states exactly where they stopped)
+    or a branch (a parent's weights, a fresh optimizer). Returns (model, optimizer, iter_num,
+    resumed_at)."""
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
-    log_path = os.path.join(c.out_dir, "log.jsonl")
-    data_gen = torch.Generator().manual_seed(c.seed)       # batches: the same on every rank
-    exit_gen = torch.Generator().manual_seed(c.seed + 2)   # sampled exits of ragged steps
-    resumed_at = None
     if c.init_from == "resume":
         model, ckpt = load_checkpoint(ckpt_path, device, flag="--out_dir")
-        model.train()
         saved = ckpt["config"]
-        for k in MODEL_KEYS + ["dataset", "batch_size"]:  # these define the run; keep them
+        for k in MODEL_KEYS + ["dataset", "batch_size"]:  # these define the run: kept, never changed
+            if getattr(c, k) != saved[k] and getattr(c, k) != DEFAULTS[k]:
+                raise UserError(f"--{k}={getattr(c, k)!r}: --init_from=resume continues the run in {c.out_dir}, "
+                                f"which has {k}={saved[k]!r}; a resumed run keeps its shape, data and batch")
             setattr(c, k, saved[k])
-        train, val = load_split(c, "train"), load_split(c, "val")
         optimizer = make_optimizer(model, c, device)
         optimizer.load_state_dict(ckpt["optimizer"])
         data_gen.set_state(ckpt["data_rng"])
         exit_gen.set_state(ckpt["exit_rng"])
-        iter_num = resumed_at = ckpt["iter_num"]
         if master:
-            print(f"resuming from {ckpt_path} at iter {iter_num}; log.jsonl continues", file=sys.stderr)
-    elif c.branch_from:   # a branch-off (App. C): the parent's weights, then a run of its own
+            print(f"resuming from {ckpt_path} at iter {ckpt['iter_num']}; log.jsonl continues", file=sys.stderr)
+        return model.train(), optimizer, ckpt["iter_num"], ckpt["iter_num"]
+    if c.branch_from:   # a branch-off (App. C): the parent's weights, then a run of its own
         model, ckpt = load_checkpoint(c.branch_from, device, flag="--branch_from")
-        model.train()
         for k in MODEL_KEYS:
             setattr(c, k, ckpt["model_args"][k])
         if model.config.vocab_size != meta["vocab_size"]:
             raise UserError(f"--branch_from={c.branch_from}: its vocabulary ({model.config.vocab_size}) is not that of "
                             f"--dataset={c.dataset} ({meta['vocab_size']})")
-        optimizer = make_optimizer(model, c, device)
-        iter_num = 0
         if master:
             print(f"branching from {c.branch_from} (iter {ckpt.get('iter_num')})", file=sys.stderr)
-    else:
-        cfg = GPTConfig(vocab_size=meta["vocab_size"], **{k: getattr(c, k) for k in MODEL_KEYS})
-        model = LoopedLM(cfg).to(device)
-        optimizer = make_optimizer(model, c, device)
-        iter_num = 0
-    for split in (train, val):
-        if len(split) <= c.block_size + 1:
-            raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
-                            "tokens; it needs more than block_size + 1")
-    # A fresh run into a folder that holds an earlier run leaves that run's ckpt.pt and log.jsonl
-    # untouched until it has a checkpoint of its own: its log goes to log.jsonl.new until then.
+        return model.train(), make_optimizer(model, c, device), 0, None
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], **{k: getattr(c, k) for k in MODEL_KEYS})).to(device)
+    return model, make_optimizer(model, c, device), 0, None
+
+
+def log_target(c, master):
+    """Where training records go. A fresh run into a folder that holds an earlier run leaves that
+    run's ckpt.pt and log.jsonl untouched until it has a checkpoint of its own: its log goes to
+    log.jsonl.new until then. Returns (log file, pending)."""
+    ckpt_path, log_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "log.jsonl")
     pending = (c.init_from == "scratch" and not c.eval_only
                and any(os.path.exists(p) for p in (ckpt_path, log_path)))
     log_file = log_path + ".new" if pending else log_path
@@ -596,23 +627,46 @@ def main(argv):
         open(log_file, "w").close()
         print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first checkpoint "
               f"(iter {min(c.eval_interval, c.max_iters)}); until then this run logs to {log_file}", file=sys.stderr)
+    return log_file, pending
 
+
+def autocast(c, device):
     use_bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and device.startswith("cuda"))
-    ctx = (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16) if use_bf16
-           else torch.autocast(device_type="cpu", enabled=False))
-    fwd = torch.compile(model) if c.compile else model
+    return (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16) if use_bf16
+            else torch.autocast(device_type="cpu", enabled=False))
+
+
+def main(argv):
+    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__))
+    check_config(c)
+    rank, world, device = setup_distributed(c)
+    master = rank == 0
+    n_micro = micro_batches(c, world)
+    seed_everything(c.seed)
+    meta = None if c.init_from == "resume" else dataset_meta(c, master, world)
+    data_gen = torch.Generator().manual_seed(c.seed)       # batches: the same on every rank
+    exit_gen = torch.Generator().manual_seed(c.seed + 2)   # sampled exits of ragged steps
+    model, optimizer, iter_num, resumed_at = start_model(c, meta, device, master, data_gen, exit_gen)
+    meta = meta or dataset_meta(c, master, world)          # a resumed run: the dataset it was trained on
+    train, val = load_split(c, "train"), load_split(c, "val")
+    label_path = os.path.join(c.data_dir, c.dataset, "val_labels.bin")
+    labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
+    for split in (train, val):
+        if len(split) <= c.block_size + 1:
+            raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
+                            "tokens; it needs more than block_size + 1")
+    ctx = autocast(c, device)
     U = model.config.n_loops
     prior = exit_prior(c.prior, U, c.prior_lambda).to(device)
     baseline = unigram_loss(np.asarray(train), np.asarray(val), model.config.vocab_size)
-    objective_name = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
-        f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
-    B, T = c.batch_size, c.block_size
-    tokens_per_iter = B * T * n_micro
+    tokens_per_iter = c.batch_size * c.block_size * n_micro
     if master:
+        objective_name = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
+            f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
         print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, U={U}; "
               f"objective: {objective_name}; device {device}", file=sys.stderr)
-        print(f"global batch: {n_micro} micro-batch(es) of {B}x{T} = {tokens_per_iter:,} tokens per step "
-              f"({n_micro // world} per process x {world} process(es))", file=sys.stderr)
+        print(f"global batch: {n_micro} micro-batch(es) of {c.batch_size}x{c.block_size} = {tokens_per_iter:,} "
+              f"tokens per step ({n_micro // world} per process x {world} process(es))", file=sys.stderr)
         print(f"unigram baseline val loss: {baseline:.4f}", file=sys.stderr)
 
     def record_of(it, metrics):
@@ -624,85 +678,105 @@ def main(argv):
         if master:
             print(json.dumps(record_of(iter_num, metrics)))
         return metrics
+    run = SimpleNamespace(model=model, optimizer=optimizer, meta=meta, data_gen=data_gen, exit_gen=exit_gen,
+                          master=master, rank=rank, world=world, n_micro=n_micro, device=device, ctx=ctx,
+                          prior=prior, record_of=record_of, train=train, val=val, labels=labels)
+    run.log_file, run.pending = log_target(c, master)
+    metrics = train_loop(c, run, iter_num, resumed_at)
+    if master and metrics is not None:
+        print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
+              f"{metrics['val_loss_ragged']} vs unigram baseline {baseline:.4f}; checkpoint: "
+              f"{os.path.join(c.out_dir, 'ckpt.pt')}", file=sys.stderr)
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return metrics
 
-    def log(record):
-        if master:
-            os.makedirs(c.out_dir, exist_ok=True)
-            with open(log_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
-    def save(it):
-        nonlocal log_file, pending
-        if master:
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "model_args": model_args(model.config), "iter_num": it, "config": vars(c),
-                             "meta": meta, "data_rng": data_gen.get_state(), "exit_rng": exit_gen.get_state()},
-                            ckpt_path)
-            if pending:  # this run has a checkpoint now: its log replaces the earlier run's
-                os.replace(log_file, log_path)
-                log_file, pending = log_path, False
+def write_record(c, run, record):
+    if run.master:
+        os.makedirs(c.out_dir, exist_ok=True)
+        with open(run.log_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
-    mine = range(rank * n_micro // world, (rank + 1) * n_micro // world)
+
+def save_run(c, run, it):
+    """Checkpoint everything a resume needs; the first checkpoint of a fresh run over an earlier
+    one makes this run's log the folder's log.jsonl."""
+    if not run.master:
+        return
+    m = run.model
+    save_checkpoint({"model": m.state_dict(), "optimizer": run.optimizer.state_dict(),
+                     "model_args": model_args(m.config), "iter_num": it, "config": vars(c), "meta": run.meta,
+                     "data_rng": run.data_gen.get_state(), "exit_rng": run.exit_gen.get_state()},
+                    os.path.join(c.out_dir, "ckpt.pt"))
+    if run.pending:
+        log_path = os.path.join(c.out_dir, "log.jsonl")
+        os.replace(run.log_file, log_path)
+        run.log_file, run.pending = log_path, False
+
+
+def train_loop(c, run, iter_num, resumed_at):
+    """Evaluate, log and checkpoint every eval_interval steps; one optimizer step at a time between.
+    Returns the last evaluation's metrics (None if there was nothing to do)."""
+    model, B, T, U = run.model, c.batch_size, c.block_size, run.model.config.n_loops
+    mine = range(run.rank * run.n_micro // run.world, (run.rank + 1) * run.n_micro // run.world)
     last = c.max_iters if c.stop_iter < 0 else min(c.stop_iter, c.max_iters)
     if iter_num >= last:
-        if master:
+        if run.master:
             print(f"the checkpoint is at iter {iter_num} already (max_iters={c.max_iters}, stop_iter={c.stop_iter}): "
                   "nothing to do; raise --max_iters to train on", file=sys.stderr)
         return None
     from tqdm import tqdm
     bar = tqdm(total=last, initial=iter_num, desc="train", unit="it", file=sys.stderr, dynamic_ncols=True,
-               mininterval=1.0, disable=not master)
-    metrics = None
+               mininterval=1.0, disable=not run.master)
+    fwd = torch.compile(model) if c.compile else model
+    metrics, saved_at = None, resumed_at
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != resumed_at:
-            metrics = evaluate(model, val, labels, c, prior, ctx, device)
-            log(record_of(iter_num, metrics))
-            if master:
+            metrics = evaluate(model, run.val, run.labels, c, run.prior, run.ctx, run.device)
+            write_record(c, run, run.record_of(iter_num, metrics))
+            if run.master:
                 bar.write(f"iter {iter_num}: val loss fixed@1..{U} {metrics['val_loss_fixed']}, ragged "
                           f"{metrics['val_loss_ragged']}; avg exit depth {metrics['avg_exit_depth']:.2f}, "
                           f"fractions {metrics['exit_fractions']}, large jumps {metrics['large_jump_rate']:.3f}")
             if iter_num > 0:
-                save(iter_num)
+                save_run(c, run, iter_num)
+                saved_at = iter_num
         if iter_num >= last:
             break
         lr = lr_at(iter_num, c)
         b = beta_schedule(iter_num / c.max_iters, c.beta)
-        for group in optimizer.param_groups:
+        for group in run.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.time()
         # The global batch is drawn identically on every rank; each rank runs its share of it.
-        starts = draw_starts(train, c, B * n_micro, data_gen)
+        starts = draw_starts(run.train, c, B * run.n_micro, run.data_gen)
         kind = step_kind(iter_num, c)
-        uniforms = (torch.rand(n_uniforms(c), B * n_micro, T, U, generator=exit_gen)
+        uniforms = (torch.rand(n_uniforms(c), B * run.n_micro, T, U, generator=run.exit_gen)
                     if kind in ("ragged", "reinforce") else None)
         batches = []
         for m in mine:
-            x, y = get_batch(train, c, starts[m * B:(m + 1) * B], device)
-            batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(device)))
-        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, prior, c, b, ctx, n_micro, world)
+            x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
+            batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
+        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, run.prior, c, b, run.ctx, run.n_micro, run.world)
         # the norm is taken after the gradient all-reduce: every process stops at the same step
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
         if not (math.isfinite(train_loss) and math.isfinite(float(norm))):
+            kept = (f"the checkpoint of iter {saved_at} in {c.out_dir} is kept" if saved_at else
+                    "no checkpoint of this run was written")
             raise UserError(f"training diverged at iter {iter_num} (loss {train_loss}, gradient norm {float(norm)}); "
-                            f"nothing was stepped and the checkpoint of the last eval in {c.out_dir} is kept; "
-                            "try a lower --learning_rate or --grad_clip")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+                            f"nothing was stepped and {kept}; try a lower --learning_rate or --grad_clip")
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         bar.update(1)
         if iter_num % c.log_interval == 0:
             extra = {} if kl_step is None else {"kl_global": kl_step}
-            log({"iter": iter_num, "step": kind, "train_loss": train_loss, **parts, **extra, "lr": lr, "beta": b,
-                 "ms_per_iter": round(1000 * (time.time() - t0), 1)})
+            write_record(c, run, {"iter": iter_num, "step": kind, "train_loss": train_loss, **parts, **extra, "lr": lr,
+                                  "beta": b, "ms_per_iter": round(1000 * (time.time() - t0), 1)})
             bar.set_postfix(loss=f"{train_loss:.4f}", beta=f"{b:.4f}")
     bar.close()
-    if master:
-        print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
-              f"{metrics['val_loss_ragged']} vs unigram baseline {baseline:.4f}; checkpoint: {ckpt_path}",
-              file=sys.stderr)
-    if world > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
     return metrics
 
 

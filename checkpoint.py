@@ -1,0 +1,292 @@
+"""
+Model files on disk: atomic writes, our nanoGPT-style checkpoints (ckpt.pt), and Ouro Hugging Face
+folders (strict import, export).
+
+    model, ckpt = load_checkpoint("out/")                 # our ckpt.pt (file or folder) or an Ouro folder
+    model, meta, encode, decode = load_for_script(c)      # the same, with its tokenizer, for a script
+
+Ouro folders (config.json + model.safetensors, model_type "ouro") load strictly: every config
+field is either implemented, inert, or refused; every tensor key is consumed and every parameter
+filled. Export writes Ouro's key names and an auto_map to Ouro's modeling code. Loading uses
+torch.load(..., weights_only=True): a checkpoint holds tensors and plain values only.
+"""
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, fields
+
+import torch
+
+from configurator import DTYPES, UserError, resolve_device
+from model import GPTConfig, LoopedLM
+from tokenizer import EOS, load_tokenizer
+
+
+# ----------------------------------------------------------------------------- writing files
+
+def atomic_write(path, write):
+    """Write a file atomically: write(tmp) fills a temp file beside `path`, which gets the usual
+    permissions (0666 less the umask; mkstemp would leave 0600) and is then renamed over `path`.
+    An interrupted write leaves the old file as it was."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+    atomic_write(path, write)
+
+
+def save_checkpoint(obj, path):
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+# ----------------------------------------------------------------------------- our checkpoints
+
+def resolve_ckpt_path(path, flag="--ckpt"):
+    if os.path.isdir(path):
+        path = os.path.join(path, "ckpt.pt")
+    if not os.path.isfile(path):
+        raise UserError(f"{flag}: no checkpoint at {path!r}: give a ckpt.pt file or a directory holding one "
+                        "(train.py writes out_dir/ckpt.pt)")
+    return path
+
+
+def load_checkpoint(path, device="cpu", dtype=None, flag="--ckpt"):
+    """The one loader used by train, sample and serve: our ckpt.pt (file or directory) or an Ouro
+    Hugging Face folder (config.json + safetensors), detected automatically. `flag` names the
+    option in error messages. Returns (model, checkpoint dict)."""
+    if is_ouro_folder(path):
+        return load_ouro(path, device, dtype)
+    path = resolve_ckpt_path(path, flag)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not written by torch.save, or holding more than tensors
+        raise UserError(f"{flag}={path}: not a readable PyTorch checkpoint (torch.load: {type(e).__name__}); "
+                        "is it truncated, or another kind of file?")
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model_args"), dict) or "model" not in ckpt:
+        raise UserError(f"{flag}={path}: a PyTorch file, but not one of our checkpoints (no 'model' and "
+                        "'model_args'; train.py writes them)")
+    known = {f.name for f in fields(GPTConfig)}
+    try:
+        cfg = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in known})
+        model = LoopedLM(cfg)
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise UserError(f"{flag}={path}: its model_args do not describe a model ({type(e).__name__})")
+    state = ckpt["model"]
+    want = model.state_dict()
+    bad = sorted(set(want) ^ set(state)) or sorted(k for k in want if tuple(want[k].shape) != tuple(state[k].shape))
+    if bad:
+        raise UserError(f"{flag}={path}: its weights do not match its model_args ({len(bad)} mismatched, "
+                        f"e.g. {bad[0]})")
+    model.load_state_dict(state)
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    model.eval()
+    return model, ckpt
+
+
+def model_args(cfg):
+    return asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- Ouro checkpoints (Hugging Face format)
+
+# config.json field -> GPTConfig field (DESIGN.md "The model")
+OURO_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+               "num_attention_heads": "n_head", "num_key_value_heads": "n_kv_head",
+               "intermediate_size": "ffn_hidden", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
+               "total_ut_steps": "n_loops", "max_position_embeddings": "block_size"}
+
+
+def is_ouro_folder(path):
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")))
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise UserError("Ouro checkpoints are safetensors files: install the optional package with "
+                        "`pip install safetensors`")
+    return safetensors.torch
+
+
+def ouro_key(key):
+    """Our parameter name -> Ouro's: everything but the LM head lives under `model.`."""
+    return key if key.startswith("lm_head.") else "model." + key
+
+
+# The other fields of the published Ouro configs (1.4B, 2.6B and their -Thinking variants). Each is
+# either inert here (it does not change what the model computes) or accepted with the only value
+# that we implement; anything else in a config.json is refused, so no field silently changes the model.
+# (tie_word_embeddings and head_dim are read by the loader; max_window_layers and sliding_window act
+# only with use_sliding_window; early_exit_threshold is Ouro's own τ, ours is --thr.)
+OURO_INERT = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
+              "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "early_exit_threshold",
+              "tie_word_embeddings", "head_dim", "max_window_layers", "sliding_window"}
+OURO_ONLY = {"hidden_act": ["silu"], "rope_scaling": [None], "use_sliding_window": [False],
+             "attention_dropout": [0, 0.0], "attention_bias": [False]}
+
+
+def ouro_config(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        try:
+            hf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{folder}/config.json is not valid JSON ({e})")
+    if hf.get("model_type", "ouro") != "ouro":
+        raise UserError(f"{folder}: model_type {hf.get('model_type')!r} is not 'ouro'")
+    missing = [k for k in OURO_FIELDS if k not in hf and k not in ("num_key_value_heads", "max_position_embeddings")]
+    if missing:
+        raise UserError(f"{folder}/config.json lacks {', '.join(missing)}")
+    for key, value in hf.items():
+        if key in OURO_ONLY and value not in OURO_ONLY[key]:
+            raise UserError(f"{folder}/config.json: {key}={value!r} is not implemented here (only "
+                            f"{' or '.join(map(repr, OURO_ONLY[key]))}); refusing rather than computing another model")
+        if key == "layer_types" and any(t != "full_attention" for t in value):
+            raise UserError(f"{folder}/config.json: layer_types other than 'full_attention' "
+                            f"({sorted(set(value) - {'full_attention'})}) are not implemented here")
+        if key not in OURO_FIELDS and key not in OURO_INERT and key not in OURO_ONLY and key != "layer_types":
+            raise UserError(f"{folder}/config.json: field {key}={value!r} is not one of the Ouro config fields "
+                            "this loader implements; refusing rather than ignoring it")
+    args = {ours: hf[theirs] for theirs, ours in OURO_FIELDS.items() if theirs in hf}
+    args.setdefault("n_kv_head", args["n_head"])
+    args.setdefault("block_size", 4096)
+    # Ouro normalizes the hidden state after every loop; the in-branch gains come from the weights
+    cfg = GPTConfig(**args, loop_norm=True, branch_norm_init=1.0)
+    if "head_dim" in hf and hf["head_dim"] != cfg.head_dim:
+        raise UserError(f"{folder}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
+    if len(hf.get("layer_types", [None] * cfg.n_layer)) != cfg.n_layer:
+        raise UserError(f"{folder}/config.json: layer_types has {len(hf['layer_types'])} entries for {cfg.n_layer} layers")
+    return cfg, hf
+
+
+def read_ouro_tensors(folder):
+    st = _safetensors()
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        try:
+            tensors.update(st.load_file(os.path.join(folder, name)))
+        except Exception as e:
+            raise UserError(f"cannot read {folder}/{name}: {type(e).__name__}: {str(e)[:160]}")
+    return tensors
+
+
+def load_ouro(folder, device="cpu", dtype=None):
+    """Load an Ouro folder strictly: every key consumed, every parameter filled, shapes checked.
+    The stored dtype (bf16) is kept unless `dtype` is given."""
+    cfg, hf = ouro_config(folder)
+    tensors = read_ouro_tensors(folder)
+    with torch.device("meta"):
+        model = LoopedLM(cfg)
+    want = {ouro_key(k): v.shape for k, v in model.state_dict().items()}
+    if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise UserError(f"{folder}: checkpoint keys do not match an Ouro model of this config: "
+                        f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                        f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != tuple(shape):
+            raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
+    state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    model.eval()
+    meta = {}
+    if os.path.isfile(os.path.join(folder, "meta.json")):          # exported from here: our tokenizer
+        with open(os.path.join(folder, "meta.json")) as f:
+            meta = json.load(f)
+    elif os.path.isfile(os.path.join(folder, "tokenizer.json")):   # Ouro's own (SmolLM2-style)
+        meta = {"tokenizer": "hf", "path": os.path.join(folder, "tokenizer.json"), "vocab_size": cfg.vocab_size}
+    return model, {"model_args": asdict(cfg), "meta": meta, "ouro_config": hf}
+
+
+OURO_HUB = "ByteDance/Ouro-1.4B"  # where the published Ouro modeling code lives (for auto_map)
+
+
+def export_ouro(model, folder, meta=None, dtype=torch.bfloat16, force=False):
+    """Write an Ouro-format folder: config.json (model_type "ouro", an auto_map to the Ouro modeling
+    code on the Hub) + model.safetensors with Ouro's key names. Refuses a model that Ouro's code
+    would run differently, and an existing Ouro folder unless `force`."""
+    cfg = model.config
+    if not cfg.loop_norm:
+        raise UserError("this model was trained without the per-loop norm (loop_norm=False); Ouro's code "
+                        "normalizes the hidden state after every loop and would compute something else. "
+                        "Only models trained with --loop_norm can be exported")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--out={folder}: exists and is not a folder")
+    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json"]
+    present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
+    if present and not force:
+        raise UserError(f"--out={folder}: already holds {', '.join(present)}; give --force to overwrite it")
+    st = _safetensors()
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):  # a sharded folder: its index would shadow the new single file
+        with open(index) as f:
+            shards = set(json.load(f).get("weight_map", {}).values())
+        for name in shards:
+            if os.path.isfile(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+        os.remove(index)
+    hf = {"model_type": "ouro", "architectures": ["OuroForCausalLM"], "hidden_act": "silu",
+          "head_dim": cfg.head_dim, "tie_word_embeddings": False, "early_exit_threshold": 1.0,
+          "torch_dtype": str(dtype).replace("torch.", ""), "use_cache": True, "attention_dropout": 0.0,
+          "rope_scaling": None, "use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layer,
+          "layer_types": ["full_attention"] * cfg.n_layer, "initializer_range": 0.02,
+          "auto_map": {"AutoConfig": f"{OURO_HUB}--configuration_ouro.OuroConfig",
+                       "AutoModel": f"{OURO_HUB}--modeling_ouro.OuroModel",
+                       "AutoModelForCausalLM": f"{OURO_HUB}--modeling_ouro.OuroForCausalLM"}}
+    hf.update({theirs: getattr(cfg, ours) for theirs, ours in OURO_FIELDS.items()})
+    tensors = {ouro_key(k): v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    atomic_write(os.path.join(folder, "model.safetensors"),
+                 lambda tmp: st.save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_json(os.path.join(folder, "config.json"), hf)
+    if meta:
+        write_json(os.path.join(folder, "meta.json"), meta)
+    return folder
+
+
+# ----------------------------------------------------------------------------- for a script
+
+def load_for_script(c, flag="--ckpt"):
+    """What sample.py, eval.py and the server do first: the checkpoint c["ckpt"] on c["device"] in
+    c["dtype"], with its tokenizer when it has one. Returns (model, meta, encode, decode, eos); encode
+    and decode are None for a model without a tokenizer (prompts are then token ids), and a tokenizer
+    that cannot be loaded here (a missing optional package) is said in one note on stderr."""
+    model, ckpt = load_checkpoint(c["ckpt"], resolve_device(c["device"]), DTYPES[c["dtype"]], flag)
+    meta = ckpt.get("meta") or {}
+    encode = decode = None
+    if meta:
+        try:
+            encode, decode = load_tokenizer(meta, c.get("tiktoken_file", ""))
+        except UserError as e:
+            print(f"note: {e}; prompts must be token ids", file=sys.stderr)
+    return model, meta, encode, decode, EOS.get(meta.get("tokenizer"))

@@ -1,0 +1,419 @@
+"""
+An OpenAI-style HTTP API over the depth-batching engine: /v1/completions, /v1/chat/completions
+(Ouro's ChatML), streaming, /v1/models and /health. Standard library only.
+
+    python server.py --ckpt out/ --port 8000
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "x=3 a=x ; a? ", "max_tokens": 8, "temperature": 0, "thr": 0.3}'
+
+One engine thread steps the engine (serve_depthbatch.py); HTTP handler threads parse a request,
+hand it to the engine thread and relay its tokens as they are sampled. Beyond OpenAI's fields a
+request may carry the engine's own: thr, mode, depth, top_k, prefill_thr, prefill_schedule,
+prefix_full; every choice reports its exit statistics. Nothing a client sends can stop the engine:
+a request it cannot run fails alone, an unexpected error inside a step fails the requests of that
+step and frees their pages, a client that goes away has its requests cancelled, and if the engine
+thread ever stops, /health answers 503 and so does every new request.
+"""
+import http.server
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import fields
+
+import torch
+
+from checkpoint import load_for_script
+from configurator import DTYPES, UserError, device_rule, parse, run_cli
+from kernels import IMPLS
+from model import exit_stats
+from ragged import page_bytes, pool_pages
+from serve_depthbatch import SCHEDULERS, SEED_MAX, Engine, Request
+from tokenizer import IM_END, chat_ids, has_chat
+
+MAX_BODY = 16 << 20                       # bytes of one request body
+ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "prefill_thr",
+                 "prefill_schedule", "prefix_full"}          # body fields that are Request fields
+ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages"}
+UNSUPPORTED = {"logprobs": (None, 0, False), "echo": (None, False), "best_of": (None, 1), "suffix": (None,),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
+assert ENGINE_FIELDS <= {f.name for f in fields(Request)}
+
+
+class BadRequest(Exception):
+    def __init__(self, message, param=None, status=400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class Server:
+    """The engine thread and what the HTTP threads share with it: an inbox of new requests."""
+
+    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None):
+        self.engine, self.encode, self.decode, self.name, self.chat, self.eos = engine, encode, decode, name, chat, eos
+        self.inbox, self.cv, self.stopping = deque(), threading.Condition(), False
+        self.dead = None                  # why the engine thread stopped, if it ever does
+        self.verbose = False
+        self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
+
+    def submit(self, reqs):
+        with self.cv:
+            if self.dead:
+                raise BadRequest(f"the engine has stopped ({self.dead}); restart the server", status=503)
+            self.inbox.extend(reqs)
+            self.cv.notify()
+
+    def loop(self):
+        try:
+            self.serve_engine()
+        except BaseException as e:        # the engine thread must never stop silently
+            with self.cv:
+                self.dead = f"{type(e).__name__}: {e}"
+            print(f"engine thread stopped: {self.dead}", file=sys.stderr)
+            stranded = list(self.inbox) + [s.req for s in list(self.engine.running) + list(self.engine.waiting)]
+            for r in stranded:
+                r.finish_reason, r.error = "error", f"the engine stopped: {self.dead}"
+                if r.on_token is not None:
+                    r.on_token(r, None)
+
+    def serve_engine(self):
+        """Take new requests, step the engine, repeat. A request the engine refuses fails alone; an
+        error inside a step fails the requests of that step (their pages come back) and is logged."""
+        while True:
+            with self.cv:
+                while not self.inbox and not self.engine.busy() and not self.stopping:
+                    self.cv.wait()
+                if self.stopping:
+                    return
+                new, self.inbox = list(self.inbox), deque()
+            for r in new:
+                try:
+                    self.engine.add(r)
+                except Exception as e:
+                    r.finish_reason, r.error = "error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+                    r.on_token(r, None)
+            try:
+                self.engine.step()
+            except Exception as e:
+                print(f"engine error: {type(e).__name__}: {e}; the requests of this step fail", file=sys.stderr)
+                self.engine.fail_running(f"engine error: {type(e).__name__}")
+
+    def stop(self):
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+
+# ----------------------------------------------------------------------------- parsing a request
+
+def prompt_of(server, body, chat):
+    """The prompt's token ids and the stop ids of a completion or chat body."""
+    if chat:
+        if not server.chat:
+            raise BadRequest("this model has no chat template (Ouro's ChatML tokens); use /v1/completions", "messages")
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} strings", "messages")
+        return chat_ids([(m["role"], m["content"]) for m in msgs], server.encode), (IM_END,)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                      # a batch of one
+    if isinstance(prompt, str):
+        if server.encode is None:
+            raise BadRequest("this model has no tokenizer here: give 'prompt' as a list of token ids", "prompt")
+        try:
+            ids = server.encode(prompt)
+        except UserError as e:
+            raise BadRequest(f"'prompt': {e}", "prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    return ids, (() if server.eos is None else (server.eos,))
+
+
+def parse_request(server, body, chat):
+    """A /v1/completions or /v1/chat/completions body -> (requests, stream, stop strings). Every
+    field is known or refused by name; the engine's fields are checked by the engine's own
+    check_request (one validation for the API, the CLIs and the engine)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    for key in body:
+        if key not in ENGINE_FIELDS | ACCEPTED | set(UNSUPPORTED) or key == ("prompt" if chat else "messages"):
+            raise BadRequest(f"unknown field '{key}'", key)
+    for key, ok in UNSUPPORTED.items():
+        if key in body and body[key] not in ok:
+            raise BadRequest(f"'{key}' is not supported by this server", key)
+    ids, stop_ids = prompt_of(server, body, chat)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
+    n, stream, seed = body.get("n", 1), body.get("stream", False), body.get("seed")
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16):
+        raise BadRequest(f"'n' must be an integer in 1..16, not {n!r}", "n")
+    if not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be true or false, not {stream!r}", "stream")
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, ()))
+    elif not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX - (n - 1)):
+        raise BadRequest(f"'seed' must be an integer in [0, 2**64 - n], not {seed!r}", "seed")
+    f = {"temperature": 1.0, **{k: body[k] for k in ENGINE_FIELDS if body.get(k) is not None}}
+    reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
+    try:
+        server.engine.check_request(reqs[0])
+    except UserError as e:
+        raise BadRequest(str(e), e.field)
+    return reqs, stream, stop
+
+
+def exit_summary(r, U):
+    de = r.decode_exits
+    return {"avg_decode_depth": sum(de) / len(de) if de else None,
+            "avg_prefill_depth": sum(r.prompt_exits) / len(r.prompt_exits) if r.prompt_exits else None,
+            **exit_stats(de, U), "mode": r.mode, "thr": None if r.mode == "fixed" else r.thr}
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+class Choices:
+    """The text of each choice of one HTTP request, cut at a stop string, as the tokens come."""
+
+    def __init__(self, server, reqs, stop):
+        self.server, self.reqs, self.stop = server, reqs, stop
+        n = len(reqs)
+        self.texts, self.sent, self.finish, self.n_tok = [""] * n, [0] * n, [None] * n, [0] * n
+
+    def add(self, i, tok):
+        """Take the engine's event for choice i (tok None: the request ended)."""
+        r = self.reqs[i]
+        if self.finish[i] is not None:
+            return                                # tokens after a stop string
+        if tok is None:
+            self.finish[i] = r.finish_reason
+            return
+        self.n_tok[i] += 1
+        if self.server.decode is not None and tok not in r.stop:
+            text = self.server.decode(r.tokens[:self.n_tok[i]])
+            cut = [text.find(s) for s in self.stop if s in text]
+            if cut:                               # a stop string: the text ends before it
+                text, self.finish[i], r.cancelled = text[:min(cut)], "stop", True
+            self.texts[i] = text
+
+    def unsent(self, i):
+        """Text of choice i not streamed yet (held back while it ends in half a character)."""
+        new = self.texts[i][self.sent[i]:]
+        if new and (self.finish[i] is not None or not new.endswith("\ufffd")):
+            self.sent[i] += len(new)
+            return new
+        return ""
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """One HTTP connection's requests (a thread of the ThreadingHTTPServer). `app` is the Server it
+    talks to (make_handler sets it; `server` is the socket server's own)."""
+    app = None
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # quiet: one line per request on stderr only with --verbose
+        if self.app.verbose:
+            super().log_message(fmt, *args)
+
+    def send_json(self, obj, status=200):
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_json(self, e):
+        self.send_json({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
+                                  "code": None}}, e.status)
+
+    def do_GET(self):
+        engine = self.app.engine
+        if self.path == "/health":
+            self.send_json({"status": "ok" if not self.app.dead else f"engine stopped: {self.app.dead}",
+                            "running": len(engine.running), "waiting": len(engine.waiting),
+                            "free_pages": len(engine.pool.free)}, 200 if not self.app.dead else 503)
+        elif self.path == "/v1/models":
+            self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model", "created": 0,
+                                                        "owned_by": "looped-lm"}]})
+        else:
+            self.send_error_json(BadRequest(f"no route GET {self.path}", status=404))
+
+    def read_body(self):
+        """The JSON body, after checking its headers: a 4xx BadRequest for anything malformed."""
+        kind = (self.headers.get("Content-Type") or "application/json").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise BadRequest(f"Content-Type {kind!r}: send application/json", status=415)
+        raw = self.headers.get("Content-Length")
+        if raw is None or not raw.strip().isdigit():
+            self.close_connection = True      # the body's end is unknown: this connection cannot go on
+            raise BadRequest(f"Content-Length {raw!r}: give the body's length in bytes",
+                             status=411 if raw is None else 400)
+        if int(raw) > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(f"a body of {int(raw)} bytes; at most {MAX_BODY} are accepted", status=413)
+        try:
+            return json.loads(self.rfile.read(int(raw)) or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON: {e}")
+
+    def do_POST(self):
+        chat = self.path == "/v1/chat/completions"
+        try:
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                raise BadRequest(f"no route POST {self.path}", status=404)
+            if self.app.dead:
+                raise BadRequest(f"the engine has stopped ({self.app.dead}); restart the server", status=503)
+            reqs, stream, stop = parse_request(self.app, self.read_body(), chat)
+            events = queue.Queue()
+            for r in reqs:
+                r.on_token = lambda r, tok: events.put((r.tag, tok))
+            self.app.submit(reqs)
+        except BadRequest as e:
+            self.send_error_json(e)
+            return
+        try:
+            self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat)
+        except (BrokenPipeError, ConnectionResetError):   # the client went away: free its pages
+            for r in reqs:
+                r.cancelled = True
+            with self.app.cv:
+                self.app.cv.notify()
+
+    def respond(self, reqs, events, stream, choices, chat):
+        """Relay the tokens of the request's choices as the engine samples them: one JSON body at
+        the end, or server-sent events as they come (ending with data: [DONE])."""
+        U = self.app.engine.U
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].seed:x}{int(time.time() * 1e6) % 10**8:x}",
+                "object": kind + (".chunk" if chat and stream else ""), "created": int(time.time()),
+                "model": self.app.name}
+        if stream:
+            self.start_stream(head, len(reqs), chat)
+        while None in choices.finish:
+            i, tok = events.get()
+            choices.add(i, tok)
+            r = reqs[i]
+            if choices.finish[i] == "error" and not stream:
+                for o in reqs:
+                    o.cancelled = True
+                self.send_error_json(BadRequest(r.error, status=503 if self.app.dead else 400))
+                return
+            if stream:
+                new = choices.unsent(i)
+                if new:
+                    self.event(head, i, new, chat)
+                if choices.finish[i] is not None:
+                    self.event(head, i, "", chat, choices.finish[i], {"error": r.error} if r.error else
+                               {"exit_stats": exit_summary(r, U)})
+        if stream:
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            return
+        out = []
+        for i, r in enumerate(reqs):
+            c = {"index": i, "finish_reason": choices.finish[i], "exit_stats": exit_summary(r, U),
+                 "tokens": r.tokens[:choices.n_tok[i]]}
+            text = choices.texts[i]
+            c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
+            out.append(c)
+        de = [e for r in reqs for e in r.decode_exits]
+        n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
+        self.send_json({**head, "choices": out,
+                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                                  "total_tokens": n_prompt + n_new},
+                        "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None, **exit_stats(de, U)}})
+
+    def start_stream(self, head, n, chat):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        if chat:
+            for i in range(n):
+                self.event(head, i, "", chat, extra={"delta": {"role": "assistant", "content": ""}})
+
+    def event(self, head, i, delta, chat, reason=None, extra=None):
+        if chat:
+            choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
+        choice.update(extra or {})
+        self.wfile.write(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
+        self.wfile.flush()
+
+
+
+def make_handler(server):
+    return type("BoundHandler", (Handler,), {"app": server})
+
+
+def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="looped-lm", chat=False, eos=None):
+    """Start the engine thread and an HTTP server (not yet serving: call .serve_forever()). Returns
+    (http server, Server)."""
+    server = Server(engine, encode, decode, name, chat, eos)
+    try:
+        httpd = http.server.ThreadingHTTPServer((host, port), make_handler(server))
+    except OSError as e:
+        raise UserError(f"--port={port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                        "choose another --port (0: any free port)", "port")
+    httpd.daemon_threads = True
+    server.thread.start()
+    return httpd, server
+
+
+# ----------------------------------------------------------------------------- command line
+
+DEFAULTS = dict(
+    ckpt="out",            # checkpoint: a ckpt.pt file or folder, or an Ouro folder
+    host="127.0.0.1",      # address to bind (loopback unless you say otherwise)
+    port=8000,             # port to listen on (0: any free port)
+    kv_pages=0,            # KV pages of the shared pool (0: from --kv_memory)
+    kv_memory=0.0,         # KV pool size in GiB (0 with --kv_pages 0: max_batch full contexts at depth U, at most 2 GiB)
+    max_batch=32,          # most requests in flight at once
+    max_rows=256,          # rows per pass that prefill chunks may fill next to the decode rows
+    scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all U loops (fixed)
+    attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
+    device="cpu",          # where to run (auto: CUDA when there is one)
+    dtype="",              # weights dtype (default: as saved)
+    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+    verbose=False,         # log every HTTP request
+)
+RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
+             scheduler=SCHEDULERS, attn=IMPLS, device=device_rule, dtype=list(DTYPES))
+
+
+def main(argv):
+    c = parse(argv, DEFAULTS, RULES, __file__)
+    model, meta, encode, decode, eos = load_for_script(c)
+    cfg, size = model.config, page_bytes(model)
+    pages = pool_pages(model, c["kv_pages"], c["kv_memory"], c["max_batch"])
+    if pages < cfg.n_loops:
+        raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth ({cfg.n_loops} pages)")
+    chat = encode is not None and has_chat(meta)
+    engine = Engine(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"])
+    name = os.path.basename(os.path.normpath(c["ckpt"]))
+    httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
+    server.verbose = c["verbose"]
+    print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
+          f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; scheduler {c['scheduler']}, "
+          f"max_batch {c['max_batch']}{', chat template' if chat else ''}", file=sys.stderr)
+    try:
+        httpd.serve_forever()
+    finally:
+        server.stop()
+        httpd.server_close()
+
+
+if __name__ == "__main__":
+    run_cli(main)

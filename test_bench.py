@@ -1,0 +1,93 @@
+"""The benchmarks' own logic: the engine benchmark's pass counting against the work-conserving bound,
+its JSON line, and the level turns that keep its timing fair. (Timings are never asserted.)"""
+import json
+import random
+
+import torch
+
+import bench
+from conftest import prompt, varied_model
+from serve_depthbatch import Engine, Request
+
+
+def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not():
+    """While requests wait, every continuous pass runs a depth of every one of the B requests in flight
+    (passes = bound); the nested runner idles the rows that exited until its whole wave has."""
+    model = varied_model()
+    work = [(prompt(random.randint(4, 12)), random.randint(8, 20)) for _ in range(16)]
+    ratio = {}
+    for scheduler in ("continuous", "nested"):
+        e = Engine(model, 5000, max_batch=4, scheduler=scheduler)
+        for p, o in work:
+            e.add(Request(p, o, "ete_ragged", 0.4))
+        counts = bench.new_counts()
+        while e.busy():
+            bench.counted_step(e, counts)
+        assert counts["passes"] == e.stats["passes"] and counts["rows"] == e.stats["rows"]
+        ratio[scheduler] = counts["steady_passes"] / (counts["steady_slots"] / 4)
+    assert ratio["continuous"] == 1.0 and ratio["nested"] > 1.2
+
+
+def test_bench_prints_a_consistent_json_line(capsys):
+    """A small engine bench (batch 2, 4 requests): the last stdout line is strict JSON with every field the
+    issue names; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets it,
+    fixed is the unit of ratio_vs_fixed and of ideal_ratio, each round is compared with its own fixed
+    engine (the fastest-of ratio lies within the rounds' range), the capacity runs stay in their pool."""
+    bench.main(["--what=engine", "--batches=2", "--requests=4", "--rounds=2"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    json.dumps(out, allow_nan=False)
+    U = out["model"]["n_loops"]
+    runs = {(r["scheduler"], r["mode"]): r for r in out["runs"]}
+    assert set(runs) == {("fixed", "fixed")} | {(s, m) for s in ("continuous", "nested") for m in ("dense_ragged", "ete_ragged")}
+    for r in out["runs"]:
+        for key in ("scheduler", "mode", "thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound",
+                    "avg_decode_depth", "ideal_ratio", "kv_physical", "kv_dense", "sum_exits", "peak_pages",
+                    "max_in_flight", "mix_window", "mix_run"):
+            assert key in r, key
+        assert r["kv_physical"] == r["sum_exits"] <= r["kv_dense"] and r["tok_s"] > 0 and r["max_in_flight"] <= 2
+        assert r["passes"] >= r["lower_bound"] - 1e-9
+        assert abs(r["ideal_ratio"] - U / r["avg_decode_depth"]) < 1e-3
+        rounds = r["ratio_rounds"]
+        assert len(rounds) == 2 and min(rounds) - 1e-3 <= r["ratio_vs_fixed"] <= max(rounds) + 1e-3
+    assert runs["fixed", "fixed"]["ratio_rounds"] == [1, 1]
+    assert runs["fixed", "fixed"]["ratio_vs_fixed"] == 1 and runs["fixed", "fixed"]["avg_decode_depth"] == U
+    for mode in ("dense_ragged", "ete_ragged"):
+        assert runs["continuous", mode]["passes"] <= 1.05 * runs["continuous", mode]["lower_bound"]
+    cap = out["capacity"]
+    assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
+
+
+def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch):
+    """The benchmark's engines take turns so that they move through the workload together: every
+    turn goes to a busy engine with the fewest tokens sampled, so no configuration runs a stretch of
+    the machine's time alone while others wait (the timing bias that level turns remove)."""
+    engines, turns, last = [], [], [None]
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.reqs = []
+            engines.append(self)
+
+        def add(self, r):
+            self.reqs.append(r)
+            return super().add(r)
+
+    tokens = lambda e: sum(len(r.tokens) for r in e.reqs)
+    step = bench.timed_step
+
+    def timed_step(run):
+        if run["engine"] is not last[0]:      # a new turn: who was chosen, and where everyone stood
+            turns.append((tokens(run["engine"]), [tokens(e) for e in engines if e.busy()]))
+            last[0] = run["engine"]
+        step(run)
+
+    monkeypatch.setattr(bench, "Engine", Recorded)
+    monkeypatch.setattr(bench, "timed_step", timed_step)
+    monkeypatch.setattr(bench, "TURN", 0.0)     # one step per turn: the most turns to check
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    work = [(prompt(rng.randint(3, 10)), rng.randint(4, 12)) for _ in range(6)]
+    configs = [("fixed", "fixed"), ("continuous", "dense_ragged"), ("nested", "ete_ragged")]
+    records = bench.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
+    assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
+    assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)

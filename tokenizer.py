@@ -1,0 +1,98 @@
+"""
+Tokenizers and the chat template: what turns text into token ids and back, for every script.
+
+A dataset's meta.json (written by prepare_data.py, stored in every checkpoint) names its tokenizer:
+  char  the characters of the training text, one id each (meta["chars"])
+  gpt2  GPT-2's BPE through tiktoken (a local gpt2.tiktoken ranks file works offline)
+  hf    an Ouro folder's tokenizer.json (SmolLM2-style), through the optional `tokenizers` package
+Ouro's Thinking models talk in ChatML; chat_ids() is the one template that sample.py, eval.py
+and the HTTP server use.
+"""
+import os
+
+from configurator import UserError
+
+IM_START, IM_END = 1, 2                  # Ouro's ChatML ids (the shipped configs say bos/eos/pad 0)
+EOS = {"gpt2": 50256, "hf": 0}           # the end-of-text id of each tokenizer that has one
+
+
+def gpt2_encoding(tiktoken_file=""):
+    """tiktoken's GPT-2 encoding; from a local ranks file when given (no network needed)."""
+    import tiktoken
+    if not tiktoken_file:
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise UserError(f"cannot fetch the GPT-2 encoding ({type(e).__name__}); "
+                            "pass --tiktoken_file=PATH to a gpt2.tiktoken ranks file")
+    if not os.path.isfile(tiktoken_file):
+        raise UserError(f"--tiktoken_file={tiktoken_file!r} does not exist")
+    from tiktoken.load import load_tiktoken_bpe
+    from tiktoken_ext.openai_public import r50k_pat_str
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str,
+                             mergeable_ranks=load_tiktoken_bpe(tiktoken_file),
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+def char_meta(chars):
+    return {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars)}
+
+
+def load_tokenizer(meta, tiktoken_file=""):
+    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str)."""
+    if meta.get("tokenizer") == "char":
+        chars = meta["chars"]
+        stoi = {c: i for i, c in enumerate(chars)}
+
+        def encode(s):
+            bad = sorted({c for c in s if c not in stoi})
+            if bad:
+                raise UserError(f"characters {''.join(bad)!r} are not in this model's vocabulary "
+                                f"({chars!r})")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: "".join(chars[i] for i in ids)
+    if meta.get("tokenizer") == "hf":
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
+                            "(pip install tokenizers); --prompt_ids works without it")
+        tok = Tokenizer.from_file(meta["path"])
+        return (lambda s: tok.encode(s, add_special_tokens=False).ids), (lambda ids: tok.decode(ids, skip_special_tokens=False))
+    if meta.get("tokenizer") == "gpt2":
+        enc = gpt2_encoding(tiktoken_file)
+        return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2, hf")
+
+
+# ----------------------------------------------------------------------------- ChatML
+
+def has_chat(meta):
+    """True when the tokenizer has Ouro's ChatML tokens <|im_start|> = 1 and <|im_end|> = 2."""
+    if meta.get("tokenizer") != "hf":
+        return False
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    tok = Tokenizer.from_file(meta["path"])
+    return tok.token_to_id("<|im_start|>") == IM_START and tok.token_to_id("<|im_end|>") == IM_END
+
+
+def check_chat(meta):
+    """--chat needs Ouro's ChatML tokens in the tokenizer."""
+    if not has_chat(meta):
+        raise UserError(f"--chat: this model's tokenizer ({meta.get('tokenizer', 'none')}) has no ChatML tokens "
+                        f"<|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is for Ouro (Thinking) checkpoints")
+
+
+def chat_ids(turns, encode, think=False):
+    """Ouro's ChatML: a <|im_start|>{role}\\n{content}<|im_end|>\\n per (role, content) turn, then
+    <|im_start|>assistant\\n (and <think>\\n to open the Thinking models' reasoning). Content is text
+    or token ids; the special tokens go in as ids, so it works whatever the tokenizer does with
+    their strings."""
+    ids = []
+    for role, content in turns:
+        body = encode(content) if isinstance(content, str) else list(content)
+        ids += [IM_START] + encode(role + "\n") + body + [IM_END] + encode("\n")
+    return ids + [IM_START] + encode("assistant\n" + ("<think>\n" if think else ""))
