@@ -231,8 +231,9 @@ def new_counts():
 
 def counted_step(e, counts):
     """One engine step, counted from outside from what the engine reports of its pass (last_pass).
-    steady: requests wait, enough to fill the batch, so a work-conserving scheduler would run full
-    passes: the passes and slots that the work-conserving bound speaks of."""
+    The work-conserving bound (App. A.2) is Σ (depths run by requests) / B over the passes in which
+    requests wait, enough to fill the batch ("steady"): a scheduler that runs every pass full
+    reaches it. A prompt chunk counts as one slot of the batch, as a decode token does."""
     steady = len(e.waiting) > 0 and len(e.waiting) + len(e.running) >= e.max_batch
     out = e.step()
     if e.last_pass:

@@ -59,7 +59,9 @@ def check_inputs(q, k_pages, v_pages, page_ids, lengths):
 
 
 def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None):
-    """The reference: gather every row's keys and values, mask what lies past its length, SDPA."""
+    """The reference: gather every row's keys and values, mask what lies past its length, SDPA.
+    A row's page list is its request's table column at its depth, so this reads every earlier token
+    j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11)."""
     R, Hq, D = q.shape
     Hkv = k_pages.shape[1]
     maxlen = page_ids.shape[1]
@@ -168,8 +170,9 @@ def splits_for(programs, maxlen, block_n, target=264):
 
 def paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale=None, num_splits=None, block_n=32,
                            poison=False):
-    """The Triton implementation. num_splits: key splits per row (None: splits_for); poison: fill
-    the output and the split buffers with NaN first, so that anything left unwritten shows."""
+    """The Triton implementation of the same read (Eq. 7 through the page lists of Eq. 11),
+    flash-decoding style. num_splits: key splits per row (None: splits_for); poison: fill the output
+    and the split buffers with NaN first, so that anything left unwritten shows."""
     if triton is None:
         raise RuntimeError("impl='triton' needs the optional triton package (pip install triton)")
     R, Hq, D = q.shape

@@ -346,7 +346,8 @@ def check_prompt(cfg, ids, max_new_tokens):
 
 @torch.inference_mode()
 def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None, naive=False):
-    """Generate with one of the dense-cache modes of this file.
+    """Generate on Ouro's dense per-depth lanes (Eq. 5-6): the layout of Ouro's own code and the
+    baseline of every benchmark.
 
     mode 'fixed': every token runs `depth` loops (KV lanes 1..depth).
     mode 'ouro':  every token runs all U loops (one KV lane per loop and layer, as Ouro's code);
@@ -461,7 +462,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
 # ----------------------------------------------------------------------------- exit statistics
 
 def exit_stats(exits, U):
-    """The paper's exit metrics of a sequence of exit depths (1-based): the fraction at each depth,
+    """The paper's exit metrics (§6) of a sequence of exit depths (1-based): the fraction at each depth,
     the jump rates J_k = P(|e_i - e_{i-1}| = k) for k = 0..U-1, and the large-jump rate Σ_{k>=2} J_k.
     exits: a list, or a tensor whose last dim is the position (jumps are taken within each row)."""
     e = torch.as_tensor(exits, dtype=torch.long)

@@ -21,7 +21,8 @@ def causal_mask(pos, T, n_keys, device):
 
 class DenseLanes:
     """Ouro's cache: lane (d, layer) holds depth-d K/V of every position, for depths 1..n_lanes.
-    Memory: n_lanes * N rows per layer, whatever the exits."""
+    A token that reaches depth d reads depth d of every earlier token (Eq. 5), so every lane must be
+    filled (Eq. 6): memory n_lanes * N rows per layer, whatever the exits."""
 
     def __init__(self, model, n_lanes, max_len, batch=1):
         cfg, p = model.config, model.lm_head.weight
@@ -184,6 +185,8 @@ class RaggedSeq:
             self.released = True
 
     def stats(self):
+        """Pages this sequence holds (Eq. 12: Σ e_i physical rows, against N·U dense), its logical
+        entries (aliases included) and its block evaluations (Eq. 13: FLOPs in the ratio Ē / U)."""
         n = self.n
         return {"physical": int(self.real[:n].sum()), "logical": int((self.table[:n] >= 0).sum()),
                 "dense": n * self.U, "block_evals": self.block_evals}

@@ -3,7 +3,7 @@ Reproduce the paper's findings at CPU scale: one grid of training runs, then RES
 tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim.
 
     python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
-    python reproduce.py --full --input=../shared/data/tinyshakespeare.txt   # the real figures: ~15 min per run
+    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~15 min per run
 
 The grid (fixed seeds; every run of one seed sees the same data in the same order):
   - local vs global prior enforcement (Eq. 9 vs Eq. 10) x uniform, geometric and Poisson priors;
@@ -284,7 +284,7 @@ def write_results(results, c, size, seeds, figures):
              "## The paper's claims, checked", "", "| claim | numbers | holds here |", "|---|---|---|"]
     for cl in claims(results, seeds):
         lines.append(f"| {cl['claim']} | {cl['numbers']} | {'yes' if cl['holds'] else '**no**'} |")
-    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_notes.md")
+    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
     if size == "full" and os.path.isfile(notes):   # the interpretation, written by a person after reading the runs
         with open(notes) as f:
             lines += ["", f.read().strip()]

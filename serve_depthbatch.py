@@ -143,9 +143,9 @@ def check_request(r, cfg, n_pages):
     malformed or could never fit in a pool of n_pages. Reads nothing that the engine changes, so
     any thread may call it."""
     U = cfg.n_loops
-    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    if r.mode not in MODES:
+    num = lambda v: whole(v) or (isinstance(v, float) and math.isfinite(v))      # no NaN, no infinity
+    if not isinstance(r.mode, str) or r.mode not in MODES:
         raise UserError(f"mode={r.mode!r}; allowed: {', '.join(MODES)}", "mode")
     for key, ok, allowed in [
             ("thr", num(r.thr) and 0 <= r.thr <= 1, "a number in [0, 1]"),
@@ -282,7 +282,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self):
-        """One pass of the block over every in-flight row. Returns [(request, token)] sampled."""
+        """One pass of the block over every in-flight row, whatever its depth (App. A.2, continuous
+        depth batching). Returns [(request, token)] sampled."""
         self._drop_cancelled()
         groups, pages = self._schedule()                  # admit, start groups, a fresh page per row
         if not groups:
@@ -513,7 +514,9 @@ class Engine:
             self.preempt(s)
 
     def preempt(self, s):
-        """Free every page of s and requeue it at the front; its exits so far are kept for replay."""
+        """Free every page of s and requeue it at the front; its exits so far are kept, so that on
+        its return its cache is rebuilt by a recomputation that replays them (App. A.2: memory is
+        capacity, and a preempted request continues exactly as it would have)."""
         s.evals_before += s.seq.block_evals
         s.seq.release()
         s.seq, s.group, s.done = None, None, 0      # s.req.exits stay: replayed on return

@@ -202,7 +202,8 @@ def lr_at(it, c):
 # ----------------------------------------------------------------------------- ragged-aware objectives
 
 def step_kind(step, c):
-    """Which objective optimizer step `step` runs (Eq. 16: even dense, odd ragged)."""
+    """Which objective optimizer step `step` runs (Eq. 16: even steps the dense loss of Eq. 14, odd
+    steps the ragged loss of Eq. 15, from forward_ragged with sampled exits)."""
     if not c.ragged_aware:
         return "dense"
     if c.ra_method == "reinforce":
@@ -272,7 +273,8 @@ def forward_counterfactual(model, idx, targets, tau=0.5):
 
 
 def reinforce_loss(model, x, y, prior, c, beta, uniforms, pi_bar=None):
-    """Eq. 22: L_dense + w_rag (L_direct + α L_score) over K sampled Ragged-KV trajectories."""
+    """Eq. 22: L_dense + w_rag (L_direct + α L_score) over K sampled Ragged-KV trajectories, with
+    L_direct of Eq. 19, the suffix returns and advantages of Eq. 20 and the score term of Eq. 21."""
     out = model(x, y)
     loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, c.global_kl, beta,
                                          pi_bar=pi_bar)
