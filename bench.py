@@ -20,6 +20,7 @@ Training target (App. C): direct RA, averaged over a dense + ragged pair, costs 
 step; counterfactual and REINFORCE cost more.
 """
 import json
+import os
 import random
 import statistics
 import sys
@@ -56,7 +57,8 @@ DEFAULTS = dict(
     device="cpu",          # engine: where to run (auto: CUDA when there is one)
 )
 RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
-             thr="floats in [0, 1]", seed=">= 0", threads=">= 0", steps=">= 1", batch_size=">= 1",
+             thr="floats in [0, 1]", seed="in [0, 4294967295]", threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
+             f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)", steps=">= 1", batch_size=">= 1",
              block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
              max_rows=">= 1", attn=IMPLS, device=device_rule,
              batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v

@@ -38,7 +38,7 @@ DEFAULTS = dict(
 )
 RULES = dict(batches=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
              contexts=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
-             heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed=">= 0")
+             heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed="in [0, 4294967295]")
 
 
 def make_case(B, ctx, H, D, dtype, device, pool_pages=None, seed=0):

@@ -9,7 +9,8 @@ one RULES table: the allowed range of every key that has one. parse() returns th
 overridden, in order, by config files (python files assigning known keys) and by flags in three
 forms: `--key=value`, `--key value`, and a bare `--flag` for booleans; then it checks every rule.
 Values are Python literals checked against the type of the default (an int is fine where a float
-is expected; a default of None takes any literal, or a string). Any mistake raises UserError,
+is expected; a default of None takes any literal, or a string); numbers must be finite and fit in
+64 bits, whatever the key (1e999 is infinity, not a learning rate). Any mistake raises UserError,
 which run_cli() prints as one line naming the key. `-h` / `--help` prints the script's docstring
 and every key with its default, its comment (read from the script's source) and its rule.
 
@@ -20,9 +21,11 @@ and not checked.
 """
 import ast
 import io
+import math
 import os
 import re
 import sys
+import tempfile
 import tokenize
 
 import torch
@@ -40,7 +43,25 @@ class UserError(Exception):
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
 
 
+INT_MAX = 2**63 - 1
+
+
+def _finite(key, raw, value):
+    """Every number a key takes is finite and fits in 64 bits, inside lists and tuples too."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for v in items:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"--{key}={raw!r}: must be a finite number")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT_MAX:
+            raise UserError(f"--{key}={raw!r}: must fit in 64 bits (|value| <= 2**63 - 1)")
+    return value
+
+
 def _convert(key, raw, default):
+    return _finite(key, raw, _typed(key, raw, default))
+
+
+def _typed(key, raw, default):
     if isinstance(default, bool):
         if isinstance(raw, bool):
             return raw
@@ -182,7 +203,14 @@ def _apply_file(path, config, defaults):
     except OSError as e:
         raise UserError(f"cannot read config file {path!r}: {e.strerror}")
     scope = {}
-    exec(compile(source, path, "exec"), {}, scope)  # a config file is trusted python, as in nanoGPT
+    try:
+        exec(compile(source, path, "exec"), {}, scope)  # a config file is trusted python, as in nanoGPT
+    except SyntaxError as e:
+        raise UserError(f"config file {path}: line {e.lineno}: {e.msg}")
+    except Exception as e:      # an undefined name, a failing expression: the file's own mistake
+        line = next((f.lineno for f in reversed(__import__("traceback").extract_tb(e.__traceback__))
+                     if f.filename == path), "?")
+        raise UserError(f"config file {path}: line {line}: {type(e).__name__}: {e}")
     for key, value in scope.items():
         if key.startswith("_") or callable(value) or type(value).__name__ == "module":
             continue
@@ -238,8 +266,24 @@ def _describe(rule):
     return f" [{rule}]"
 
 
+def check_writable(path, key):
+    """Before any work: can the script write to the folder `path` (given as --key)? Tries a temporary
+    file in it, or in its nearest existing parent when it does not exist yet (it is not created)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"--{key}={path}: exists and is not a directory")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise UserError(f"--{key}={path}: cannot write in {probe} ({e.strerror or e})")
+
+
 def run_cli(main, argv=None):
-    """Call main(argv); a UserError becomes one line on stderr and exit code 2."""
+    """Call main(argv); a UserError becomes one line on stderr and exit code 2, and so does an OS
+    error on a file (it names the path)."""
     try:
         main(sys.argv[1:] if argv is None else argv)
     except UserError as e:
@@ -247,6 +291,11 @@ def run_cli(main, argv=None):
         sys.exit(2)
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
+    except OSError as e:
+        if e.filename is None:
+            raise
+        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from checkpoint import atomic_write, load_for_script, write_json
-from configurator import DTYPES, UserError, device_rule, parse, run_cli
+from configurator import DTYPES, UserError, check_writable, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
@@ -75,9 +75,9 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic"], builtin_items=">= 1", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
-             max_tokens=">= 1", temperature=">= 0", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed=">= 0",
+RULES = dict(builtin=["", "synthetic"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+             max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed="in [0, 4294967295]",
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -232,11 +232,14 @@ def convert(names, out):
         from datasets import load_dataset
     except ImportError:
         raise UserError("--convert needs the optional datasets package (pip install datasets) and the network")
-    os.makedirs(out, exist_ok=True)
     for name in names:
         path, configs, split, to_item = BENCHMARKS[name]
         for config in configs:
-            rows = load_dataset(path, config, split=split)
+            try:
+                rows = load_dataset(path, config, split=split)
+            except Exception as e:      # no network, no such dataset: the datasets library's many errors
+                raise UserError(f"--convert={name}: cannot load {path} ({config}) with datasets ({type(e).__name__}: "
+                                f"{str(e)[:120]}); it needs the network")
             file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
             write_lines(file, [json.dumps(to_item(r)) for r in rows])
             print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
@@ -526,6 +529,19 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
     return LoopedLM()
 
 
+def check_lm_eval_tasks(c):
+    """Before any work: lm-eval is installed and knows every task of --lm_eval."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and its tasks' datasets")
+    known = set(TaskManager(include_path=c["lm_eval_include"] or None).all_tasks)
+    unknown = [t for t in c["lm_eval"].split(",") if t and t not in known]
+    if unknown:
+        raise UserError(f"--lm_eval={c['lm_eval']}: unknown task {unknown[0]!r} (lm-eval knows {len(known)} tasks; "
+                        "--lm_eval_include adds task YAMLs of your own)")
+
+
 def run_lm_eval(model, encode, decode, specs, c, device):
     try:
         import lm_eval
@@ -557,20 +573,28 @@ def draw_frontier(runs, path, U):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    tasks = sorted({r["task"] for r in runs if r.get("avg_depth")})
-    fig, axes = plt.subplots(len(tasks), 2, figsize=(10, 3.6 * len(tasks)), squeeze=False)
-    for row, task in zip(axes, tasks):
-        for ax, which in zip(row, ("decode", "overall")):
-            for mode, style in (("fixed", "ko--"), ("dense_ragged", "s-"), ("ete_ragged", "^-"), ("ouro", "d:")):
-                pts = sorted((r["avg_depth"][which], score_of(r)) for r in runs if r["task"] == task and r["mode"] == mode
-                             and r["avg_depth"].get(which) is not None and score_of(r) is not None)
-                if pts:
-                    ax.plot(*zip(*pts), style, label=mode)
-            ax.set(xlabel=f"average {which} depth", ylabel="pass@1 / accuracy", title=task, xlim=(0.8, U + 0.2))
-            if ax.lines:
-                ax.legend(fontsize=7)
-            else:   # e.g. one-token answers: no decode position ever runs
-                ax.text(0.5, 0.5, f"no {which} positions", transform=ax.transAxes, ha="center")
+    styles = (("fixed", "ko--"), ("dense_ragged", "s-"), ("ete_ragged", "^-"), ("ouro", "d:"))
+
+    def points(task, which, mode):
+        return sorted((r["avg_depth"][which], score_of(r)) for r in runs if r["task"] == task and r["mode"] == mode
+                      and (r.get("avg_depth") or {}).get(which) is not None and score_of(r) is not None)
+    # one panel per (task, depth kind) that has data: one-token answers have no decode positions
+    panels = [(task, which) for task in sorted({r["task"] for r in runs if r.get("avg_depth")})
+              for which in ("decode", "overall") if any(points(task, which, m) for m, _ in styles)]
+    if not panels:
+        return
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (task, which) in zip(axes.flat, panels):
+        for mode, style in styles:
+            pts = points(task, which, mode)
+            if pts:
+                ax.plot(*zip(*pts), style, label=mode)
+        ax.set(xlabel=f"average {which} depth", ylabel="pass@1 / accuracy", title=task, xlim=(0.8, U + 0.2))
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -609,6 +633,7 @@ def main(argv):
         unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
         if unknown:
             raise UserError(f"--convert: unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
+        check_writable(c["out"], "out")
         return convert(c["convert"].split(","), c["out"])
     ks = [int(k) for k in str(c["k"]).split(",")]
     if max(ks) > c["n"]:
@@ -617,8 +642,9 @@ def main(argv):
     if not files and not c["builtin"] and not c["lm_eval"]:
         raise UserError("--task: give task files (JSONL), --builtin synthetic, or --lm_eval tasks")
     tasks = {os.path.splitext(os.path.basename(f))[0]: load_task(f) for f in files}
-    if os.path.exists(c["out"]) and not os.path.isdir(c["out"]):
-        raise UserError(f"--out={c['out']}: exists and is not a directory")
+    check_writable(c["out"], "out")
+    if c["lm_eval"]:
+        check_lm_eval_tasks(c)
     if c["plots"]:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from checkpoint import export_ouro, load_checkpoint
-from configurator import parse, run_cli
+from configurator import check_writable, parse, run_cli
 
 DEFAULTS = dict(
     ckpt="out",            # our checkpoint: a ckpt.pt file or a directory holding one
@@ -27,6 +27,7 @@ RULES = dict(dtype=list(DTYPES), out=lambda v: None if v else "required: the fol
 
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
+    check_writable(c["out"], "out")
     model, ckpt = load_checkpoint(c["ckpt"])
     export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"])
     print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {c['dtype']})", file=sys.stderr)

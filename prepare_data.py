@@ -21,7 +21,7 @@ import urllib.request
 import numpy as np
 
 from checkpoint import atomic_write, write_json
-from configurator import UserError, parse, run_cli
+from configurator import UserError, check_writable, parse, run_cli
 from tokenizer import char_meta, gpt2_encoding, load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -40,7 +40,7 @@ DEFAULTS = dict(
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
 )
 RULES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
-             seed=">= 0", size=">= 100", val_fraction="in (0, 1)", tokens=">= 100",
+             seed="in [0, 4294967295]", size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
 
@@ -177,8 +177,7 @@ def _fineweb_ids(c):
 
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
-    if os.path.exists(c["data_dir"]) and not os.path.isdir(c["data_dir"]):
-        raise UserError(f"--data_dir={c['data_dir']}: exists and is not a directory")
+    check_writable(c["data_dir"], "data_dir")
     prepare(c)
 
 

@@ -10,6 +10,8 @@ terminal page (Eq. 11). Physical rows are exactly Σ e_i. The engine in serve_de
 fresh pages and reads through the tables (kernels.paged_attention). The Table 17 baselines reuse
 the same tables (RaggedSeq.collapse keeps one depth per token).
 """
+import os
+
 import torch
 
 
@@ -49,6 +51,17 @@ def page_bytes(model):
     """Bytes of one KV page: one token's K and V at one depth, in every layer."""
     cfg, p = model.config, model.lm_head.weight
     return cfg.n_layer * 2 * cfg.n_kv_head * cfg.head_dim * p.element_size()
+
+
+def memory_bytes(device):
+    """Memory a pool may take on `device`: the free memory of a GPU, the physical memory of the host."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return float("inf")
 
 
 def pool_pages(model, kv_pages=0, kv_memory=0.0, max_batch=32):

@@ -28,20 +28,20 @@ import torch
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from configurator import UserError, parse, run_cli
+from configurator import UserError, check_writable, parse, run_cli
 from model import forward_ragged
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
     full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
-    out="results",         # where the runs, RESULTS.md and figures/ go
+    out="",                # where the runs, RESULTS.md and figures/ go ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
     seeds=2,               # seeds of the local/global Poisson pair (the rest of the grid: the first)
     seed=1337,             # the first seed
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
 )
-RULES = dict(seeds=">= 1", seed=">= 0")
+RULES = dict(seeds=">= 1", seed="in [0, 4294967295]")
 THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
@@ -396,11 +396,28 @@ def draw(results, out, seeds):
 
 # ----------------------------------------------------------------------------- main
 
+def check_size(out, size):
+    """A folder holds the runs of one size: --quick never mixes with (nor writes over) --full runs."""
+    made = None
+    if os.path.isfile(os.path.join(out, "grid.json")):
+        with open(os.path.join(out, "grid.json")) as f:
+            made = json.load(f).get("size")
+    elif os.path.isfile(os.path.join(out, "RESULTS.md")):     # a folder written before grid.json existed
+        with open(os.path.join(out, "RESULTS.md"), encoding="utf-8") as f:
+            first = f.readline()
+        made = next((s for s in SIZES if f"({s})" in first), None)
+    if made is not None and made != size:
+        raise UserError(f"--out={out} holds the --{made} grid; --{size} runs go to a folder of their own "
+                        f"(give another --out)")
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     if c["quick"] == c["full"]:
         raise UserError("give --quick (a smoke test of the grid) or --full (the real figures)")
     size = "quick" if c["quick"] else "full"
+    c["out"] = c["out"] or ("results" if size == "full" else "results-quick")
+    check_writable(c["out"], "out")
     if c["input"] and not os.path.isfile(c["input"]):
         raise UserError(f"--input={c['input']}: no such file")
     if c["plots"]:
@@ -413,7 +430,9 @@ def main(argv):
     if unknown:
         raise UserError(f"--only: unknown run {unknown[0]!r}; runs: {', '.join(runs)}")
     order = [runs[n]["parent"] for n in wanted if runs[n].get("parent")] + wanted
+    check_size(c["out"], size)
     os.makedirs(c["out"], exist_ok=True)
+    write_json(os.path.join(c["out"], "grid.json"), {"size": size})
     prepare(c, size, os.path.join(c["out"], "data"))
     results, done = [], set()
     for name in order:

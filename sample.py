@@ -62,7 +62,7 @@ DEFAULTS = dict(
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
-             seed=">= 0", thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
+             seed="in [0, 4294967295]", thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
              dtype=list(DTYPES))
 
@@ -93,8 +93,11 @@ def prompt_ids(c, meta, encode):
         path = text[5:]
         if not os.path.isfile(path):
             raise UserError(f"--prompt=FILE:{path}: no such file")
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise UserError(f"--prompt=FILE:{path}: not UTF-8 text")
     if text == "":
         if meta.get("tokenizer") == "gpt2":
             return [50256]
@@ -171,7 +174,13 @@ def main(argv):
     # sample s draws with its own generator seeded seed + s, whatever else is in the batch.
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
-    engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"])
+    try:
+        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"])
+    except UserError as e:
+        if e.field != "kv_pages" or c["kv_pages"]:
+            raise
+        raise UserError(f"--num_samples={c['num_samples']}: the default pool holds every token of every sample at "
+                        f"every depth ({pages} pages) and {str(e).split(': ', 1)[1]}; give fewer samples or --kv_pages")
     reqs = [Request(ids, n_new, mode, thr, depth if mode == "fixed" else 0, c["temperature"], c["top_p"], c["top_k"],
                     c["seed"] + s, (IM_END,) if c["chat"] else (), c["prefill_thr"], c["prefill_schedule"],
                     c["prefix_full"]) for s in range(c["num_samples"])]

@@ -32,7 +32,7 @@ import torch
 from configurator import UserError
 from kernels import paged_attention, paged_chunk_attention, resolve_impl
 from model import FULL, at_least_fp32, check_prompt, exit_now
-from ragged import PagePool, PoolExhausted, RaggedSeq
+from ragged import PagePool, PoolExhausted, RaggedSeq, memory_bytes, page_bytes
 
 # ----------------------------------------------------------------------------- modes (§3, Table 17)
 
@@ -247,6 +247,10 @@ class Engine:
             attn = resolve_impl(attn, self.device)       # "auto": the fastest paged attention on this device
         except ValueError as e:
             raise UserError(str(e), "attn")
+        need, have = kv_pages * page_bytes(model), memory_bytes(self.device)
+        if need > have:
+            raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
+                            f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
         self.pool = PagePool.for_model(model, kv_pages)
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.waiting, self.running, self.finished = deque(), [], []     # Live, Live, Request

@@ -218,6 +218,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
     talks to (make_handler sets it; `server` is the socket server's own)."""
     app = None
     protocol_version = "HTTP/1.1"
+    timeout = 60                          # seconds a socket read or write may wait: a stalled client is let go
+
+    def handle(self):
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):   # the client went away: nothing to answer
+            self.close_connection = True
 
     def log_message(self, fmt, *args):  # quiet: one line per request on stderr only with --verbose
         if self.app.verbose:
@@ -282,7 +289,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         try:
             self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat)
-        except (BrokenPipeError, ConnectionResetError):   # the client went away: free its pages
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):   # the client went away: free its pages
             for r in reqs:
                 r.cancelled = True
             with self.app.cv:

@@ -7,6 +7,7 @@ import re
 import pytest
 
 import bench
+import bench_kernels
 import configurator
 import eval as eval_py
 import export_ouro
@@ -35,6 +36,14 @@ def sandbox(tmp_path_factory):
     finally:
         os.chdir(cwd)
     (root / "book.txt").write_text("to be or not to be\n" * 50)
+    (root / "bad_syntax.py").write_text("batch_size = (\n")
+    (root / "undefined_name.py").write_text("batch_size = some_name * 2\n")
+    (root / "latin1.txt").write_bytes("café".encode("latin-1"))
+    trunc = root / "data" / "trunc"
+    trunc.mkdir(parents=True)
+    (trunc / "train.bin").write_bytes(b"\x01" * 4001)        # an odd number of bytes: not uint16 ids
+    (trunc / "val.bin").write_bytes(b"\x01" * 4000)
+    (trunc / "meta.json").write_text('{"tokenizer": "char", "vocab_size": 44, "chars": "abc"}')
     (root / "empty.txt").write_text("")
     (root / "notes.txt").write_text("hello, not a checkpoint\n")
     return root
@@ -92,6 +101,30 @@ CASES = [
     (server, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (server, ["--device=cuda"], "device"),
     (reproduce, [], "quick"), (reproduce, ["--quick", "--full"], "full"), (reproduce, ["--quick", "--seeds=0"], "seeds"),
     (reproduce, ["--quick", "--input=missing.txt"], "input"), (reproduce, ["--quick", "--only=nope"], "only"),
+    # numbers: finite, 64-bit, and bounded where a huge value would hang or crash
+    (train, ["--seed=4294967296"], "seed"), (sample, ["--seed=99999999999"], "seed"),
+    (train, ["--learning_rate=1e999"], "learning_rate"), (train, ["--prior_lambda=1e999"], "prior_lambda"),
+    (train, ["--beta=1e999"], "beta"), (train, ["--max_iters=99999999999999999999999"], "max_iters"),
+    (sample, ["--temperature=1e999"], "temperature"), (sample, ["--temperature=3"], "temperature"),
+    (sample, ["--kv_pages=1000000000000", "--max_new_tokens=5"], "kv_pages"),
+    (sample, ["--num_samples=100000000", "--max_new_tokens=5"], "num_samples"),
+    (prepare_data, ["--size=99999999999999"], "size"), (bench, ["--threads=100000"], "threads"),
+    (eval_py, ["--builtin=synthetic", "--builtin_items=99999999999"], "builtin_items"),
+    # files: unreadable, undecodable, truncated, unwritable
+    (train, ["bad_syntax.py"], "bad_syntax"), (train, ["undefined_name.py"], "undefined_name"),
+    (sample, ["--prompt=FILE:latin1.txt", "--max_new_tokens=5"], "prompt"), (train, ["--dataset=trunc"], "dataset"),
+    (train, ["--out_dir=/sys/looped-lm-out"], "out_dir"), (export_ouro, ["--ckpt=ouro_ckpt", "--out=/sys/x"], "out"),
+    (eval_py, ["--builtin=synthetic", "--out=/sys/x"], "out"), (reproduce, ["--quick", "--out=/sys/x"], "out"),
+    (prepare_data, ["--data_dir=/sys/x"], "data_dir"), (reproduce, ["--quick", "--out=notes.txt"], "out"),
+    # a resumed run keeps its shape
+    (train, ["--init_from=resume", "--n_embd=64"], "n_embd"), (train, ["--init_from=resume", "--batch_size=8"], "batch_size"),
+    # eval.py, bench_kernels.py
+    (eval_py, ["--ckpt=nowhere", "--builtin=synthetic"], "ckpt"), (eval_py, ["--builtin=synthetic", "--modes=warp@0.5"], "modes"),
+    (eval_py, ["--builtin=synthetic", "--modes=fixed@9"], "modes"), (eval_py, ["--builtin=synthetic", "--k=4"], "k"),
+    (eval_py, ["--task=missing.jsonl"], "task"), (eval_py, [], "task"), (eval_py, ["--convert=gsm8k", "--out=tasks"], "convert"),
+    (eval_py, ["--lm_eval=no_such_task"], "lm_eval"), (eval_py, ["--builtin=synthetic", "--temperature=1e999"], "temperature"),
+    (bench_kernels, ["--batches=a,b"], "batches"), (bench_kernels, ["--iters=0"], "iters"),
+    (bench_kernels, ["--seed=-1"], "seed"),
 ]
 
 
@@ -111,12 +144,13 @@ def test_bad_input_is_one_line_exit_2_and_nothing_changes(sandbox, monkeypatch, 
     assert snapshot(sandbox) == before, "a file was created or changed"
 
 
-def test_at_least_forty_cases():
-    assert len(CASES) >= 40 and {m for m, _, _ in CASES} == {train, prepare_data, bench, export_ouro, sample,
-                                                              server, reproduce}
+def test_every_script_has_cases():
+    assert len(CASES) >= 100 and {m for m, _, _ in CASES} == {train, prepare_data, bench, bench_kernels, export_ouro,
+                                                               sample, server, reproduce, eval_py}
 
 
-@pytest.mark.parametrize("script", [train, sample, bench, prepare_data, export_ouro, server, reproduce, eval_py])
+@pytest.mark.parametrize("script", [train, sample, bench, bench_kernels, prepare_data, export_ouro, server, reproduce,
+                                    eval_py])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_exits_0_and_lists_every_key(script, flag, capsys):
     with pytest.raises(SystemExit) as e:

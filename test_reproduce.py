@@ -92,3 +92,23 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     with pytest.raises(Exception, match="--only"):
         reproduce.main(["--quick", f"--out={out}", "--only=nope"])
+    with pytest.raises(Exception, match="holds the --quick grid"):     # sizes never mix in one folder
+        reproduce.main(["--full", f"--out={out}"])
+
+
+def test_quick_never_writes_over_the_full_results(tmp_path, monkeypatch):
+    """The committed results/ are a --full grid: --quick goes to results-quick/ by default, and is
+    refused in a folder that holds the full runs (one written before grid.json, too)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert json.load(open(os.path.join(here, "results", "grid.json"))) == {"size": "full"}
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "RESULTS.md").write_text("# Reproducing the paper at CPU scale (full)\n")
+    with pytest.raises(Exception, match="holds the --full grid"):
+        reproduce.main(["--quick", f"--out={old}"])
+    assert sorted(os.listdir(old)) == ["RESULTS.md"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(reproduce, "prepare", lambda *a: (_ for _ in ()).throw(SystemExit("stop here")))
+    with pytest.raises(SystemExit):
+        reproduce.main(["--quick"])
+    assert json.load(open(tmp_path / "results-quick" / "grid.json")) == {"size": "quick"}

@@ -180,3 +180,184 @@ def test_http_chat_completions_on_an_ouro_folder(tmp_path):
         httpd.shutdown()
         server.stop()
         httpd.server_close()
+
+
+# ----------------------------------------------------------------------------- nothing a client sends breaks it
+
+@pytest.fixture()
+def own_server():
+    """A fresh server of its own (the tests below break things on purpose)."""
+    from model import GPTConfig, LoopedLM
+    torch.manual_seed(1)
+    meta = char_meta(SYNTH_CHARS)
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=48, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                               ffn_hidden=24)).eval()
+    with torch.no_grad():
+        model.early_exit_gate.weight.normal_(0, 2.0)
+    encode, decode = load_tokenizer(meta)
+    engine = Engine(model, 600, max_batch=6)
+    httpd, server = serve(engine, "127.0.0.1", 0, encode, decode, "tiny")
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, server, encode
+    httpd.shutdown()
+    server.stop()
+    httpd.server_close()
+
+
+def raw_request(url, head, body=b"", read=True):
+    """Send bytes as they are (headers of our choosing) and return the status code (None: no answer)."""
+    host, port = url[7:].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        if not read:
+            return None
+        got = b""
+        while b"\r\n" not in got:
+            part = sock.recv(4096)
+            if not part:
+                return None
+            got += part
+    return int(got.split(b" ")[1])
+
+
+def malformed(rng):
+    """One random bad request: (head, body) bytes, with what kind it is."""
+    fields = ["max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "seed", "n", "stream", "stop",
+              "prefill_thr", "prefill_schedule", "prefix_full", "prompt", "max_token", "frobnicate", "logprobs"]
+    values = [10**30, 2**64, -1, -5.5, "x", [], {}, None, True, [1, "a"], [999], "1e999", 1e308, 0, 17, "warp"]
+    kind = rng.choice(["field", "field", "field", "json", "length", "type", "path"])
+    body = {"prompt": rng.choice(["the cat", [3, 4, 5]]), "max_tokens": 3}
+    if kind == "field":
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(fields)] = rng.choice(values)
+        data = json.dumps(body).encode().replace(b'"1e999"', rng.choice([b"NaN", b"Infinity", b"1e999", b'"1e999"']))
+    else:
+        data = json.dumps(body).encode()
+    length = str(len(data)).encode()
+    ctype = b"application/json"
+    path = b"/v1/completions"
+    if kind == "json":
+        data = rng.choice([b"{not json", b"[1, 2]", b"5", b'"s"', b"\xff\xfe", b"null", b"{}"])
+        length = str(len(data)).encode()
+    elif kind == "length":
+        length = rng.choice([b"abc", b"-5", b"", b"99999999999", b"1e3"])
+    elif kind == "type":
+        ctype = rng.choice([b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data"])
+    elif kind == "path":
+        path = rng.choice([b"/v1/nothing", b"/", b"/v1/completions/../x"])
+    head = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: " + ctype + b"\r\n"
+    if length != b"":
+        head += b"Content-Length: " + length + b"\r\n"
+    return head + b"\r\n", data, kind
+
+
+def test_fuzz_malformed_requests_disconnects_and_valid_ones_together(own_server):
+    """A seeded fuzz on a loopback port: hundreds of malformed requests (bad fields, huge numbers, NaN,
+    bad JSON, bad headers and paths) and mid-stream disconnects, interleaved with concurrent valid
+    requests. Every malformed one gets a 4xx, every valid one the engine's own answer, the engine
+    thread lives on, and every page is back in the pool."""
+    url, engine, server, encode = own_server
+    rng_seed = int(torch.randint(0, 2**31, ()))
+    rng = __import__("random").Random(rng_seed)
+    prompts = ["the cat", "a dog", "sum 3+4=", "x=3 a=x ; a? "]
+    expected = {p: alone(engine.model, Request(encode(p), 5, "dense_ragged", 0.5)).tokens for p in prompts}
+    statuses, answers, errors = [], [], []
+
+    def valid(p):
+        try:
+            status, text = post(url + "/v1/completions", {"prompt": p, "max_tokens": 5, "temperature": 0})
+            answers.append((p, status, json.loads(text)["choices"][0]["tokens"] if status == 200 else text))
+        except Exception as e:          # noqa: BLE001 (the test reports it)
+            errors.append(repr(e))
+
+    def disconnect():
+        body = json.dumps({"prompt": "the", "max_tokens": 30, "stream": True, "temperature": 0}).encode()
+        raw_request(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode(), body)   # reads the status line, then hangs up
+
+    threads = []
+    for i in range(240):
+        head, data, kind = malformed(rng)
+        statuses.append((kind, raw_request(url, head, data), head + data[:80]))
+        if i % 12 == 0:
+            t = threading.Thread(target=valid, args=(rng.choice(prompts),))
+            t.start()
+            threads.append(t)
+        if i % 40 == 0:
+            disconnect()
+    for t in threads:
+        t.join(timeout=120)
+    bad = [s for s in statuses if not (s[1] is not None and 400 <= s[1] < 500) and s[0] != "field"]
+    assert not bad, (rng_seed, bad[:3])
+    # a "field" request may happen to be valid (e.g. n=17 is not, n=0 is not, but top_k=17 is): then 200
+    assert all(s[1] is not None and (400 <= s[1] < 500 or s[1] == 200) for s in statuses), (rng_seed, statuses[:3])
+    assert sum(1 for s in statuses if s[1] is not None and 400 <= s[1] < 500) >= 180
+    assert not errors and len(answers) == 20, (errors, len(answers))
+    assert all(status == 200 and tokens == expected[p] for p, status, tokens in answers), answers[:2]
+    assert server.thread.is_alive() and server.dead is None
+    deadline = time.time() + 30
+    while time.time() < deadline and (engine.busy() or len(engine.pool.free) != engine.pool.n_pages):
+        time.sleep(0.05)
+    assert not engine.busy() and len(engine.pool.free) == engine.pool.n_pages
+    engine.check()
+
+
+def test_an_error_inside_a_step_fails_that_step_only_and_the_server_goes_on(own_server, monkeypatch, capsys):
+    url, engine, server, encode = own_server
+    real, calls = engine._run_block, []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bug")
+        return real(*args)
+    monkeypatch.setattr(engine, "_run_block", broken)
+    status, text = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 6, "temperature": 0})
+    assert status == 400 and "engine error" in json.loads(text)["error"]["message"]
+    assert "engine error: RuntimeError: a bug" in capsys.readouterr().err
+    assert len(engine.pool.free) == engine.pool.n_pages and server.thread.is_alive()
+    status, text = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 6, "temperature": 0})
+    direct = alone(engine.model, Request(encode("the cat"), 6, "dense_ragged", 0.5))
+    assert status == 200 and json.loads(text)["choices"][0]["tokens"] == direct.tokens
+
+
+def test_if_the_engine_thread_stops_health_and_requests_say_so_at_once(own_server, monkeypatch):
+    url, engine, server, _ = own_server
+
+    class Fatal(BaseException):
+        pass
+
+    def fatal():
+        raise Fatal("the engine thread is gone")
+    monkeypatch.setattr(engine, "step", fatal)
+    status, text = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 4})   # stranded: answered
+    assert status == 503 and "engine stopped" in json.loads(text)["error"]["message"]
+    server.thread.join(timeout=10)
+    assert not server.thread.is_alive() and server.dead
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            code = r.status
+    except urllib.error.HTTPError as e:
+        code = e.code
+    assert code == 503
+    t0 = time.time()
+    status, _ = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 4})
+    assert status == 503 and time.time() - t0 < 5
+
+
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "seed": 10**30}, "seed"), ({"prompt": "a", "seed": 2**64}, "seed"),
+                                        ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
+                                        ({"prompt": "a", "max_token": 3}, "max_token"),
+                                        ({"prompt": "a", "temperature": 1e308}, "temperature"),
+                                        ({"prompt": "a", "top_k": 10**30, "max_tokens": 10**30}, "max_tokens")])
+def test_out_of_range_and_unknown_fields_are_400_naming_the_field(own_server, body, param):
+    url = own_server[0]
+    status, text = post(url + "/v1/completions", body)
+    assert status == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+def test_a_port_in_use_is_a_one_line_error(own_server):
+    from configurator import UserError
+    port = int(own_server[0].rsplit(":", 1)[1])
+    with pytest.raises(UserError, match=f"--port={port}"):
+        serve(own_server[1], "127.0.0.1", port)

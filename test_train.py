@@ -237,6 +237,29 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_dir):
     assert (open(os.path.join(split, "ckpt.pt"), "rb").read(), open(os.path.join(split, "log.jsonl"), "rb").read()) == (ckpt, log)
 
 
+def test_a_run_killed_after_a_checkpoint_resumes_with_each_iteration_logged_once(tmp_path, data_dir, monkeypatch):
+    common = TINY + [f"--data_dir={data_dir}", "--max_iters=8", "--eval_interval=4", "--global_kl"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    train.main(common + [f"--out_dir={full}"])
+    real_step, calls = train.train_step, []
+
+    def killed(*a, **k):        # killed at iter 6, after the checkpoint of iter 4 and two more log records
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(train, "train_step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(common + [f"--out_dir={split}"])
+    assert max(r["iter"] for r in read_log(split)) == 6
+    monkeypatch.setattr(train, "train_step", real_step)
+    train.main(common + [f"--out_dir={split}", "--init_from=resume"])
+    iters = [(r["iter"], "val_loss_fixed" in r) for r in read_log(split)]
+    assert len(iters) == len(set(iters)) and iters == [(r["iter"], "val_loss_fixed" in r) for r in read_log(full)]
+    with pytest.raises(UserError, match="--n_embd=64"):        # a resumed run keeps its shape
+        train.main(common + [f"--out_dir={split}", "--init_from=resume", "--max_iters=12", "--n_embd=64"])
+
+
 def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_dir, monkeypatch):
     out = str(tmp_path / "o")
     args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2"]
@@ -256,7 +279,7 @@ def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_d
     with pytest.raises(KeyboardInterrupt):
         train.main(args + ["--seed=7"])
     assert {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")} == files
-    assert os.path.isfile(os.path.join(out, "log.jsonl.new"))
+    assert not os.path.exists(os.path.join(out, "log.jsonl.new"))   # the killed run's log went with it
     monkeypatch.setattr(train, "train_step", real_step)
     train.main(args + ["--seed=7"])            # run again, to the end: its own checkpoint and log only
     log = read_log(out)
@@ -351,7 +374,7 @@ def test_help_lists_every_key_with_its_comment_and_rule(capsys):
         for key in module.DEFAULTS:
             line = next(l for l in out.splitlines() if l.strip().startswith(f"--{key}="))
             assert len(line.split(None, 1)) == 2, f"--{key} has no comment"
-    assert next(l for l in out.splitlines() if "--size=" in l).endswith("[>= 100]")   # prepare_data's rule
+    assert next(l for l in out.splitlines() if "--size=" in l).endswith("[in [100, 1000000000]]")   # prepare_data's rule
 
 
 def test_config_files_parse():

@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from checkpoint import load_checkpoint, model_args, save_checkpoint
-from configurator import UserError, device_rule, parse, resolve_device, run_cli
+from checkpoint import atomic_write, load_checkpoint, model_args, save_checkpoint
+from configurator import UserError, check_writable, device_rule, parse, resolve_device, run_cli
 from model import GPTConfig, LoopedLM, exit_log_pdf, exit_pdf, exit_stats, forward_ragged
 
 # ----------------------------------------------------------------------------- defaults
@@ -104,7 +104,7 @@ RULES = dict(
     cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0", max_iters=">= 1",
     weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0", warmup_iters=">= 0",
     lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0", device=device_rule,
-    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=">= 0",
+    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed="in [0, 4294967295]",
 )
 MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops", "block_size",
               "rope_theta", "loop_norm", "branch_norm_init"]
@@ -390,7 +390,12 @@ def ensure_data(c):
 
 
 def load_split(c, split):
-    return np.memmap(data_paths(c)[0][split], dtype=np.uint16, mode="r")
+    path = data_paths(c)[0][split]
+    try:
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    except ValueError as e:     # an odd number of bytes, or an empty file: not uint16 token ids
+        raise UserError(f"--dataset={c.dataset}: {path} is not a file of uint16 token ids ({e}); prepare the dataset "
+                        "again with prepare_data.py")
 
 
 def draw_starts(data, c, n, generator):
@@ -536,6 +541,8 @@ def check_config(c):
             raise UserError(f"--{key} is empty: give a directory")
         if os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"--{key}={path}: exists and is not a directory")
+    if not c.eval_only:
+        check_writable(c.out_dir, "out_dir")
     if c.init_from == "resume":
         if not os.path.isfile(os.path.join(c.out_dir, "ckpt.pt")):
             raise UserError(f"--init_from=resume: no checkpoint {os.path.join(c.out_dir, 'ckpt.pt')!r} to resume "
@@ -684,7 +691,13 @@ def main(argv):
                           master=master, rank=rank, world=world, n_micro=n_micro, device=device, ctx=ctx,
                           prior=prior, record_of=record_of, train=train, val=val, labels=labels)
     run.log_file, run.pending = log_target(c, master)
-    metrics = train_loop(c, run, iter_num, resumed_at)
+    if resumed_at is not None and master:
+        trim_log(os.path.join(c.out_dir, "log.jsonl"), resumed_at)
+    try:
+        metrics = train_loop(c, run, iter_num, resumed_at)
+    finally:   # interrupted before this run's first checkpoint: its log has nothing to go with
+        if master and run.pending and os.path.exists(run.log_file):
+            os.remove(run.log_file)
     if master and metrics is not None:
         print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
               f"{metrics['val_loss_ragged']} vs unigram baseline {baseline:.4f}; checkpoint: "
@@ -693,6 +706,18 @@ def main(argv):
         import torch.distributed as dist
         dist.destroy_process_group()
     return metrics
+
+
+def trim_log(path, iter_num):
+    """A resumed run continues from its checkpoint at iter_num: the records written after it (by
+    the run that was stopped) are dropped, so that the log holds each iteration once."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    keep = [line for line in lines if json.loads(line).get("iter", 0) <= iter_num]
+    if len(keep) < len(lines):
+        atomic_write(path, lambda tmp: open(tmp, "w").writelines(keep))
 
 
 def write_record(c, run, record):
