@@ -300,6 +300,9 @@ def write_results(results, c, size, seeds, figures):
 
 # ----------------------------------------------------------------------------- figures
 
+COLORS = {"local": "tab:blue", "global": "tab:red"}
+
+
 def draw(results, out, seeds):
     """The PNG figures; returns [(file, caption)]."""
     import matplotlib
@@ -308,32 +311,38 @@ def draw(results, out, seeds):
     R = {r["name"]: r for r in results}
     fig_dir = os.path.join(out, "figures")
     os.makedirs(fig_dir, exist_ok=True)
-    made = []
     s0 = seeds[0]
     pair = [(R.get(f"syn-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
-    colors = {"local": "tab:blue", "global": "tab:red"}
+    made = []
+    for figure in (figure_frontier, figure_fractions, figure_trace, figure_curves, figure_difficulty):
+        drawn = figure(plt, R, pair, s0)
+        if drawn:
+            fig, name, caption = drawn
+            fig.tight_layout()
+            fig.savefig(os.path.join(fig_dir, name), dpi=110)
+            plt.close(fig)
+            made.append((name, caption))
+    return made
 
-    def save(fig, name, caption):
-        fig.tight_layout()
-        fig.savefig(os.path.join(fig_dir, name), dpi=110)
-        plt.close(fig)
-        made.append((name, caption))
 
-    # Figure 1: loss vs average depth, fixed depths against ragged thresholds
+def figure_frontier(plt, R, pair, s0):
+    """Figure 1: loss vs average depth, fixed depths against ragged thresholds."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for r, s in pair + [(R.get("syn-global-poisson-ra-direct"), "global + RA direct")]:
         if not r:
             continue
-        f, col = r["final"], colors.get(s, "tab:green")
+        f, col = r["final"], COLORS.get(s, "tab:green")
         U = len(f["val_loss_fixed"])
         ax.plot(range(1, U + 1), f["val_loss_fixed"], "o--", color=col, alpha=0.6, label=f"{s}: fixed@k")
         pts = sorted((f["ragged_depth"][str(t)], f["val_loss_ragged"][str(t)]) for t in THRS)
         ax.plot(*zip(*pts), "s-", color=col, label=f"{s}: ETE-Ragged τ ∈ {{0.2..0.7}}")
     ax.set(xlabel="average exit depth", ylabel="val loss (nats/token)", title="Poisson prior, synthetic")
     ax.legend(fontsize=7)
-    save(fig, "frontier.png", "Loss against average depth: fixed depths and ragged thresholds (Figure 1)")
+    return fig, "frontier.png", "Loss against average depth: fixed depths and ragged thresholds (Figure 1)"
 
-    # Figure 4: exit fractions, local vs global, per prior
+
+def figure_fractions(plt, R, pair, s0):
+    """Figure 4: exit fractions, local vs global, per prior."""
     priors = ["uniform", "geometric", "poisson"]
     fig, axes = plt.subplots(1, 3, figsize=(10, 3), sharey=True)
     for ax, prior in zip(axes, priors):
@@ -341,19 +350,21 @@ def draw(results, out, seeds):
             r = R.get(f"syn-{s}-{prior}-s{s0}")
             if r:
                 fr = r["final"]["exit_fractions"]
-                ax.bar(np.arange(1, len(fr) + 1) + (j - 0.5) * 0.38, fr, 0.38, color=colors[s], label=s)
+                ax.bar(np.arange(1, len(fr) + 1) + (j - 0.5) * 0.38, fr, 0.38, color=COLORS[s], label=s)
         ax.set(title=prior, xlabel="exit depth")
     axes[0].set_ylabel("fraction of tokens (τ = 0.5)")
     axes[0].legend()
-    save(fig, "exit_fractions.png", "Exit-depth fractions, local vs global enforcement (Figure 4)")
+    return fig, "exit_fractions.png", "Exit-depth fractions, local vs global enforcement (Figure 4)"
 
-    # Figure 12: exit depth along a held-out synthetic stretch, hard tokens marked
+
+def figure_trace(plt, R, pair, s0):
+    """Figure 12: exit depth along a held-out synthetic stretch, hard tokens marked."""
     traces = [(r["trace"], s) for r, s in pair if r and r.get("trace")]
     if traces:
         fig, axes = plt.subplots(len(traces), 1, figsize=(14, 2.4 * len(traces)), squeeze=False)
         for ax, (tr, s) in zip(axes[:, 0], traces):
             x = np.arange(len(tr["exits"]))
-            ax.step(x, tr["exits"], where="mid", color=colors[s])
+            ax.step(x, tr["exits"], where="mid", color=COLORS[s])
             hard = [i for i, l in enumerate(tr["labels"]) if l > 0]
             ax.scatter(hard, [tr["exits"][i] for i in hard], color="black", zorder=3, s=18, label="hard token (label > 0)")
             ax.set_xticks(x)
@@ -361,14 +372,16 @@ def draw(results, out, seeds):
             ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
                    yticks=range(1, 5))
             ax.legend(fontsize=7, loc="upper right")
-        save(fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)")
+        return fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)"
 
-    # Figure 5 (and 7): training curves
+
+def figure_curves(plt, R, pair, s0):
+    """Figure 5 (and 7): training curves."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
     for r, s in pair + [(R.get("syn-global-poisson-flatbeta"), "global, flat β=0.1")]:
         if not r:
             continue
-        col = colors.get(s, "tab:orange")
+        col = COLORS.get(s, "tab:orange")
         toks = [p["tokens"] for p in r["curve"]]
         late = r["curve"][1:]   # the untrained model's loss would flatten everything after it
         a1.plot(toks[1:], [p["val_loss_fixed"][-1] for p in late], "--", color=col, label=f"{s}: fixed@U")
@@ -378,20 +391,21 @@ def draw(results, out, seeds):
     a2.set(xlabel="tokens", ylabel="average exit depth (τ = 0.5)")
     a1.legend(fontsize=7)
     a2.legend(fontsize=7)
-    save(fig, "training_curves.png", "Training curves: loss and average exit depth, Poisson prior, and a flat β (Figures 5, 7)")
+    return fig, "training_curves.png", "Training curves: loss and average exit depth, Poisson prior, and a flat β (Figures 5, 7)"
 
-    # exits by difficulty, local vs global
+
+def figure_difficulty(plt, R, pair, s0):
+    """Exits by difficulty, local vs global."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for j, (r, s) in enumerate(pair):
         if r and r["final"].get("depth_by_difficulty"):
             by = r["final"]["depth_by_difficulty"]
             ys = [by[str(k)] if by.get(str(k)) is not None else np.nan for k in range(5)]
-            ax.bar(np.arange(5) + (j - 0.5) * 0.38, ys, 0.38, color=colors[s], label=s)
+            ax.bar(np.arange(5) + (j - 0.5) * 0.38, ys, 0.38, color=COLORS[s], label=s)
     ax.set(xticks=range(5), xticklabels=["unlabelled", "1", "2", "3", "4"], xlabel="difficulty of the next token",
            ylabel="mean exit depth (τ = 0.5)")
     ax.legend()
-    save(fig, "depth_by_difficulty.png", "Mean exit depth before a token, by its difficulty, local vs global")
-    return made
+    return fig, "depth_by_difficulty.png", "Mean exit depth before a token, by its difficulty, local vs global"
 
 
 # ----------------------------------------------------------------------------- main
