@@ -66,10 +66,19 @@ def oracle_taus(n_prompt, n_total, mode, thr, **prefill):
 def alone(model, r, **engine_args):
     """The request on an engine of its own; checks that every page came back and was written once
     per layer."""
-    e = Engine(model, engine_args.pop("kv_pages", 4000), **engine_args)
+    e = engine(model, engine_args.pop("kv_pages", 4000), **engine_args)
     out = e.run([clone(r)])[0]
     assert e.pool.used == 0 and e.pool.writes == out.kv["block_evals"] * model.config.n_layer
     return out
+
+
+def engine(model, kv_pages, head="eager", **engine_args):
+    """An Engine; with head="shared" its cost model is told that a head call costs more than any
+    wait, so that exited rows wait as long as the rule lets them (the most deferral to test)."""
+    e = Engine(model, kv_pages, head=head, **engine_args)
+    if head == "shared":
+        e.w_head = float("inf")
+    return e
 
 
 def clone(r):

@@ -50,6 +50,10 @@ MODES = {
     "collapse_kv":  dict(prompt=("prefill", True, "exit"), decode=("thr", False, "exit")),
 }
 SCHEDULERS = ["continuous", "nested", "fixed"]
+# When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait up
+# to MAX_WAIT passes to share one head call, while the cost model says waiting costs less than a call.
+HEADS = ["eager", "shared"]
+MAX_WAIT = 2
 SEED_MAX = 2**64 - 1      # the largest seed torch.Generator.manual_seed takes
 
 
@@ -238,9 +242,11 @@ class Engine:
     in flight); last_pass lists (request, rows, is decode) of the latest pass, for observers such
     as the benchmark, which keeps its own windows."""
 
-    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto"):
+    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="eager"):
         if scheduler not in SCHEDULERS:
             raise UserError(f"--scheduler={scheduler!r}; allowed: {', '.join(SCHEDULERS)}", "scheduler")
+        if head not in HEADS:
+            raise UserError(f"--head={head!r}; allowed: {', '.join(HEADS)}", "head")
         self.model, self.U = model, model.config.n_loops
         self.device = model.lm_head.weight.device
         try:
@@ -255,8 +261,14 @@ class Engine:
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.waiting, self.running, self.finished = deque(), [], []     # Live, Live, Request
         self.next_id = 0
-        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0)
+        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
         self.last_pass = []
+        # the "shared" head: exited rows [(Live, normed state, passes waited)] whose token waits for a
+        # head call, and the cost model that decides how long: the weight bytes a block pass and a head
+        # call read (decode is weight-bound: a call costs about the same for 1 row as for 8)
+        self.head, self.pending, self.emitted = head, [], []
+        self.w_block = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+        self.w_head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
     def add(self, r):
         """Queue a request after checking it. Raises UserError (nothing queued) if it is malformed
@@ -288,16 +300,19 @@ class Engine:
     def step(self):
         """One pass of the block over every in-flight row, whatever its depth (App. A.2, continuous
         depth batching). Returns [(request, token)] sampled."""
+        self.emitted = []
         self._drop_cancelled()
         groups, pages = self._schedule()                  # admit, start groups, a fresh page per row
-        if not groups:
-            return []
+        if not groups:                                     # nothing runs: the waiting rows take their head call
+            self._sample([(s, h) for s, h, _ in self.pending])
+            self.pending = []
+            return self.emitted
         hn, gate, h_next = self._run_block(groups, pages)  # the shared block on every row, at its own depth
         survive, keep, to_sample = self._decide_exits(groups, gate)    # Eq. 4, each row with its τ
         self._alias_stopped(groups, keep, h_next, survive)  # Eq. 11: stopped rows alias their terminal page
-        emitted = self._sample(to_sample, hn)              # the LM head on the rows that exited
+        self._sample(self._head_rows(groups, [(s, hn[i]) for s, i in to_sample]))   # the LM head, and sampling
         self._retire(groups)                               # positions done; finished requests free their pages
-        return emitted
+        return self.emitted
 
     def _drop_cancelled(self):
         for s in [s for s in list(self.running) + list(self.waiting) if s.req.cancelled]:
@@ -376,27 +391,61 @@ class Engine:
                 self._keep_one_depth(g, stopped)
             g.d += 1
 
-    def _sample(self, to_sample, hn):
-        """The LM head on the rows whose exit samples their request's next token, and the sampling,
-        each request with its own generator. Returns [(request, token)]."""
-        if not to_sample:
+    def _head_rows(self, groups, exited):
+        """The exited rows [(Live, normed state)] that take the LM head now. "eager": all of them.
+        "shared": they join the waiting rows, and all go together when one has waited MAX_WAIT
+        passes, when nothing else would run next pass, or when waiting costs more than the call it
+        saves. What a wait costs: while requests queue, each waiting row idles its slot of the batch
+        (about w_block / max_batch a pass, against w_head for a call); with no queue, nothing, except
+        for the request with the most work left, which sets when the batch ends: its row never waits."""
+        if self.head == "eager":
+            return exited
+        self.pending = [(s, h, waited + 1) for s, h, waited in self.pending] + [(s, h, 0) for s, h in exited]
+        if not self.pending:
             return []
-        logits = self.model.lm_head(hn[[i for _, i in to_sample]])
+        others = (any(len(g.pos) for g in groups) or self.waiting
+                  or any(s.group is None and s.done < s.runnable() for s in self.running))
+        if self.waiting:
+            dear = len(self.pending) * self.w_block >= self.w_head * self.max_batch
+        else:
+            dear = any(s is self._deepest() for s, _, _ in self.pending)
+        if others and not dear and max(w for _, _, w in self.pending) < MAX_WAIT:
+            return []
+        out, self.pending = [(s, h) for s, h, _ in self.pending], []
+        return out
+
+    def _deepest(self):
+        """The running request with the most passes left (tokens to go x its mean decode depth so far):
+        the one that ends the batch when nothing queues."""
+        def left(s):
+            r, U = s.req, n_run(s.req, self.U)
+            dec = r.exits[len(r.prompt):]
+            return (r.max_tokens - len(r.tokens)) * (sum(dec) / len(dec) if dec else U)
+        return max(self.running, key=left, default=None)
+
+    def _sample(self, rows):
+        """The LM head on the rows [(Live, normed state)] whose exit samples their request's next
+        token (one call for all), and the sampling, each request with its own generator."""
+        if not rows:
+            return
+        logits = self.model.lm_head(torch.stack([h for _, h in rows]))
+        self.stats["head_calls"] += 1
+        self.stats["head_rows"] += len(rows)
         greedy = logits.argmax(-1).tolist()                   # temperature 0, for every row in one call
-        emitted = []
-        for (s, _), lg, top in zip(to_sample, logits, greedy):
+        for (s, _), lg, top in zip(rows, logits, greedy):
             r = s.req
             if r.keep_logits:
                 r.logits.append(lg.detach().cpu())
             tok = top if r.temperature == 0 else sample_token(lg.cpu(), r.temperature, r.top_k, r.top_p, s.generator)
             r.tokens.append(tok)
-            emitted.append((r, tok))
+            self.emitted.append((r, tok))
             if r.on_token is not None:
                 r.on_token(r, tok)
             if len(r.tokens) >= r.max_tokens or tok in r.stop:
                 s.ending = True
                 r.finish_reason = "stop" if tok in r.stop else "length"
-        return emitted
+                if s.group is None and s.done >= s.runnable():    # a row that waited: its positions are done
+                    self._finish(s, r.finish_reason)
 
     def _retire(self, groups):
         """A group whose rows all stopped has finished its positions; a request whose last token is
@@ -502,7 +551,7 @@ class Engine:
             rows += end - s.done
             free -= (end - s.done) * n_run(s.req, self.U)
             started = True
-        if not started and not in_flight and self.running:
+        if not started and not in_flight and self.running and not self.pending:
             # Nothing can start: the pages are held by requests that need more. Free the newest.
             self._evict(self.running[-1])
 
@@ -520,7 +569,14 @@ class Engine:
     def preempt(self, s):
         """Free every page of s and requeue it at the front; its exits so far are kept, so that on
         its return its cache is rebuilt by a recomputation that replays them (App. A.2: memory is
-        capacity, and a preempted request continues exactly as it would have)."""
+        capacity, and a preempted request continues exactly as it would have). A token of s waiting
+        for the shared head is sampled first; if it was the last one, s is done instead."""
+        mine = [(p, h) for p, h, _ in self.pending if p is s]
+        if mine:
+            self.pending = [e for e in self.pending if e[0] is not s]
+            self._sample(mine)
+            if s not in self.running:         # that was its last token
+                return
         s.evals_before += s.seq.block_evals
         s.seq.release()
         s.seq, s.group, s.done = None, None, 0      # s.req.exits stay: replayed on return
@@ -601,6 +657,7 @@ class Engine:
 
     def _finish(self, s, reason, error=None):
         r = s.req
+        self.pending = [e for e in self.pending if e[0] is not s]
         if s.seq is not None:
             r.kv = dict(s.seq.stats(), block_evals=s.seq.block_evals + s.evals_before)
             s.seq.release()

@@ -29,30 +29,44 @@ def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not()
 
 
 def test_bench_prints_a_consistent_json_line(capsys):
-    """A small engine bench (batch 2, 4 requests): the last stdout line is strict JSON with every field the
-    issue names; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets it,
-    fixed is the unit of ratio_vs_fixed and of ideal_ratio, each round is compared with its own fixed
-    engine (the fastest-of ratio lies within the rounds' range), the capacity runs stay in their pool."""
-    bench.main(["--what=engine", "--batches=2", "--requests=4", "--rounds=2"])
+    """A small engine bench (batch 2, both workloads, two rounds): the last stdout line is strict JSON
+    with every field; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets
+    it, fixed is the unit of the ratios, each round is compared with its own fixed engine, the
+    weight-read cost model adds up, fixed@U gives the Ouro way's tokens, the shared head needs no more
+    head calls than the eager one, the capacity runs stay in their pool."""
+    bench.main(["--what=engine", "--shape=small_vocab", "--batches=2", "--requests=4", "--rounds=2"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     json.dumps(out, allow_nan=False)
     U = out["model"]["n_loops"]
-    runs = {(r["scheduler"], r["mode"]): r for r in out["runs"]}
-    assert set(runs) == {("fixed", "fixed")} | {(s, m) for s in ("continuous", "nested") for m in ("dense_ragged", "ete_ragged")}
-    for r in out["runs"]:
-        for key in ("scheduler", "mode", "thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound",
-                    "avg_decode_depth", "ideal_ratio", "kv_physical", "kv_dense", "sum_exits", "peak_pages",
-                    "max_in_flight", "mix_window", "mix_run"):
+    queue = {(r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "queue"}
+    batch = {(r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "batch"}
+    ragged = {("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in ("eager", "shared")}
+    assert set(queue) == {("fixed", "fixed", "eager")} | ragged | {("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")}
+    assert set(batch) == {("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")} | ragged
+    for r in queue.values():
+        for key in ("thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound", "avg_decode_depth", "ideal_ratio",
+                    "ideal_cost", "head_calls", "rows_per_head_call", "weight_gb", "kv_physical", "kv_dense",
+                    "sum_exits", "peak_pages", "max_in_flight", "mix_window", "mix_run"):
             assert key in r, key
         assert r["kv_physical"] == r["sum_exits"] <= r["kv_dense"] and r["tok_s"] > 0 and r["max_in_flight"] <= 2
         assert r["passes"] >= r["lower_bound"] - 1e-9
         assert abs(r["ideal_ratio"] - U / r["avg_decode_depth"]) < 1e-3
+        h = r["head_to_block"]
+        assert abs(r["ideal_cost"] - (U + h) / (r["avg_decode_depth"] + h)) < 1e-3
         rounds = r["ratio_rounds"]
         assert len(rounds) == 2 and min(rounds) - 1e-3 <= r["ratio_vs_fixed"] <= max(rounds) + 1e-3
-    assert runs["fixed", "fixed"]["ratio_rounds"] == [1, 1]
-    assert runs["fixed", "fixed"]["ratio_vs_fixed"] == 1 and runs["fixed", "fixed"]["avg_decode_depth"] == U
+    fixed = queue["fixed", "fixed", "eager"]
+    assert fixed["ratio_rounds"] == [1, 1] and fixed["ratio_vs_fixed"] == 1 and fixed["avg_decode_depth"] == U
     for mode in ("dense_ragged", "ete_ragged"):
-        assert runs["continuous", mode]["passes"] <= 1.05 * runs["continuous", mode]["lower_bound"]
+        for head in ("eager", "shared"):
+            assert queue["continuous", mode, head]["passes"] <= 1.05 * queue["continuous", mode, head]["lower_bound"]
+        assert batch["continuous", mode, "shared"]["head_calls"] <= batch["continuous", mode, "eager"]["head_calls"]
+    lanes, fixed = batch["ouro_way", "fixed", "-"], batch["fixed", "fixed", "eager"]
+    assert lanes["ratio_vs_ouro"] == 1 and fixed["tokens_agree_with_ouro_way"] == 1
+    assert fixed["passes_total"] == lanes["passes_total"] == fixed["makespan_bound"] and fixed["ideal_batch"] == 1
+    for r in batch.values():
+        assert r["makespan_bound"] <= r["passes_total"] and r["batch"] == 2
+    assert {(t["workload"], t["mode"]) for t in out["targets"]} >= {("queue", "dense_ragged"), ("batch", "fixed")}
     cap = out["capacity"]
     assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
 
@@ -87,7 +101,7 @@ def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch
     monkeypatch.setattr(bench, "TURN", 0.0)     # one step per turn: the most turns to check
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     work = [(prompt(rng.randint(3, 10)), rng.randint(4, 12)) for _ in range(6)]
-    configs = [("fixed", "fixed"), ("continuous", "dense_ragged"), ("nested", "ete_ragged")]
+    configs = [("fixed", "fixed", "eager"), ("continuous", "dense_ragged", "shared"), ("nested", "ete_ragged", "eager")]
     records = bench.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
     assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
     assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from configurator import UserError
-from conftest import U, alone, assert_same, oracle_taus, prompt, varied_model
+from conftest import U, alone, assert_same, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
 from serve_depthbatch import MODES, Engine, Request
 
@@ -28,11 +28,12 @@ CASES = [("dense_ragged", 0.3, {}), ("dense_ragged", 0.8, {}), ("ete_ragged", 0.
          ("ete_ragged", 0.5, dict(prefix_full=3))]
 
 
+@pytest.mark.parametrize("head", ["eager", "shared"])
 @pytest.mark.parametrize("mode,thr,prefill", CASES)
-def test_one_request_equals_the_dense_shaped_oracle(mode, thr, prefill):
+def test_one_request_equals_the_dense_shaped_oracle(mode, thr, prefill, head):
     model = varied_model()
     ids = prompt(random.randint(12, 20))
-    r = alone(model, Request(ids, 16, mode, thr, keep_logits=True, **prefill))
+    r = alone(model, Request(ids, 16, mode, thr, keep_logits=True, **prefill), head=head)
     full = ids + r.tokens[:-1]                     # the last sampled token never runs
     o = forward_ragged(model, torch.tensor([full]), taus=oracle_taus(len(ids), len(full), mode, thr, **prefill))
     assert o["exits"][0].tolist() == r.exits
@@ -53,15 +54,16 @@ def test_fixed_and_ouro_modes_equal_the_dense_lanes(mode, depth, thr):
     assert r.tokens == tokens and r.token_exits == exits
 
 
+@pytest.mark.parametrize("head", ["eager", "shared"])
 @pytest.mark.parametrize("scheduler", ["continuous", "nested"])
-def test_concurrent_staggered_mixed_requests_equal_each_alone(scheduler):
+def test_concurrent_staggered_mixed_requests_equal_each_alone(scheduler, head):
     """Requests of different lengths, modes and thresholds arriving at different steps, in one
     batch: each produces what it produces alone, and the page invariants hold after every step."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     model = varied_model()
     reqs = [random_request(rng) for _ in range(7)]
     arrive = sorted(rng.randint(0, 12) for _ in reqs)
-    e = Engine(model, 4000, max_batch=5, max_rows=24, scheduler=scheduler)
+    e = engine(model, 4000, head, max_batch=5, max_rows=24, scheduler=scheduler)
     step = 0
     while step <= arrive[-1] or e.busy():
         for r, t in zip(reqs, arrive):
@@ -131,14 +133,15 @@ def test_fixed_scheduler_runs_every_token_all_loops():
         assert set(r.exits) == {U} and r.tokens == generate(model, r.prompt, 8, "fixed", U)[0]
 
 
-def test_preemption_replays_the_recorded_exits_exactly():
+@pytest.mark.parametrize("head", ["eager", "shared"])
+def test_preemption_replays_the_recorded_exits_exactly(head):
     """A pool too small for the batch: the newest request is preempted, requeued and rebuilt by a
     recomputation that replays its exits; every continuation equals the request alone."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     model = varied_model()
     reqs = [Request(prompt(rng.randint(6, 12)), rng.randint(10, 16), rng.choice(["dense_ragged", "ete_ragged", "ouro"]),
                     rng.choice([0.3, 0.5]), keep_logits=True) for _ in range(6)]
-    e = Engine(model, 150, max_batch=6, max_rows=64)
+    e = engine(model, 150, head, max_batch=6, max_rows=64)
     for r in reqs:
         e.add(r)
     while e.busy():
@@ -178,11 +181,12 @@ def test_malformed_requests_are_refused(kw):
     assert not e.busy()
 
 
-def test_seeded_sampling_is_reproducible_whatever_else_is_batched():
+@pytest.mark.parametrize("head", ["eager", "shared"])
+def test_seeded_sampling_is_reproducible_whatever_else_is_batched(head):
     model = varied_model()
     r = Request(prompt(8), 12, "ete_ragged", 0.4, temperature=1.0, top_p=0.9, seed=123, keep_logits=True)
     others = [Request(prompt(5 + i), 9, "dense_ragged", 0.3, temperature=1.0, seed=i) for i in range(4)]
-    e = Engine(model, 3000, max_batch=8)
+    e = engine(model, 3000, head, max_batch=8)
     e.run(others[:2] + [r] + others[2:])
     assert_same(r, alone(model, r))
     assert len(set(r.tokens)) > 1
@@ -237,8 +241,8 @@ def test_collapse_kv_reads_the_exit_depth_of_every_earlier_token():
 def test_fuzz_random_mixes_with_cancellations_return_every_page():
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     model = varied_model()
-    e = Engine(model, rng.choice([120, 200, 400]), max_batch=rng.randint(2, 6), max_rows=rng.randint(4, 40),
-               scheduler=rng.choice(["continuous", "nested"]))
+    e = engine(model, rng.choice([120, 200, 400]), rng.choice(["eager", "shared"]), max_batch=rng.randint(2, 6),
+               max_rows=rng.randint(4, 40), scheduler=rng.choice(["continuous", "nested"]))
     reqs = []
     for step in range(400):
         if rng.random() < 0.25 and len(reqs) < 40:
@@ -260,3 +264,57 @@ def test_fuzz_random_mixes_with_cancellations_return_every_page():
     for r in reqs:
         if r.finish_reason == "length":
             assert len(r.tokens) == r.max_tokens and len(r.exits) == len(r.prompt) + r.max_tokens - 1
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "fixed"])
+def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
+    """Exited rows that wait for one shared LM-head call give the same tokens, exits and logits as
+    eager calls, sample as many tokens, and need fewer calls."""
+    model = varied_model()
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    work = [(prompt(rng.randint(3, 12)), rng.randint(4, 12), rng.choice(["dense_ragged", "ete_ragged"])) for _ in range(6)]
+    runs = {}
+    for head in ("eager", "shared"):
+        e = engine(model, 3000, head, max_batch=6, scheduler=scheduler)
+        reqs = e.run([Request(p, o, m, 0.4, keep_logits=True) for p, o, m in work])
+        runs[head] = e, reqs
+    (ea, ra), (es, rs) = runs["eager"], runs["shared"]
+    for a, b in zip(ra, rs):
+        assert_same(a, b)
+    assert ea.stats["head_rows"] == es.stats["head_rows"] == sum(o for _, o, _ in work)
+    if scheduler == "continuous":      # rows exit at different passes: they can share
+        assert es.stats["head_calls"] < ea.stats["head_calls"]
+    else:                              # every row exits at depth U: they share already
+        assert es.stats["head_calls"] <= ea.stats["head_calls"]
+    assert es.pool.used == 0 and not es.pending
+
+
+@pytest.mark.parametrize("w_head", [0.0, 1e6, float("inf")])
+def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
+    """Every decision of the shared head, checked as it is made: no row waits more than MAX_WAIT
+    passes; while requests queue, rows wait only if the cost model says a call is dearer than their
+    idle slots; with no queue, the request with the most work left never waits."""
+    import serve_depthbatch
+    model = varied_model()
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    e = Engine(model, 3000, max_batch=3, head="shared")
+    e.w_head = w_head
+    real, deferred = e._head_rows, []
+
+    def checked(groups, exited):
+        out = real(groups, exited)
+        waiting = e.pending
+        assert all(w < serve_depthbatch.MAX_WAIT for _, _, w in waiting)
+        if waiting and e.waiting:
+            assert len(waiting) * e.w_block < e.w_head * e.max_batch
+        elif waiting:
+            assert e._deepest() not in [s for s, _, _ in waiting]
+        deferred.append(len(waiting))
+        return out
+    e._head_rows = checked
+    reqs = e.run([Request(prompt(rng.randint(3, 10)), rng.randint(4, 12), "ete_ragged", 0.4) for _ in range(8)])
+    assert all(r.finish_reason == "length" for r in reqs) and e.pool.used == 0 and not e.pending
+    if w_head == 0.0:
+        assert e.stats["head_calls"] > 0
+    if w_head == float("inf"):
+        assert max(deferred) > 0         # rows did wait
