@@ -46,7 +46,7 @@ from tokenizer import IM_END, chat_ids, check_chat
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # "synthetic": held-out k-hop chains and digit sums of known difficulty
+    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums) or "pointer" (look-ups after the query)
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
@@ -75,7 +75,7 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+RULES = dict(builtin=["", "synthetic", "pointer"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed="in [0, 4294967295]",
              dtype=list(DTYPES),
@@ -154,22 +154,24 @@ def check_item(item, where):
         raise UserError(f"--task {where}: type must be 'mc' or 'gen', not {kind!r}")
 
 
-def builtin_synthetic(per_level, seed):
+def builtin_items(kind, per_level, seed):
     """Held-out generation items from prepare_data's generators (another seed than the training
-    text): k-hop variable chains and digit sums, difficulty 1..4, scored by the completion's first
-    character (the models learn raw text, not a question format)."""
+    text), difficulty 1..4, scored by the completion's first character (the models learn raw text,
+    not a question format). kind "synthetic": k-hop chains and digit sums; "pointer": look-ups that
+    start after the query (the dataset of the same name)."""
     import prepare_data
     rng = random.Random(seed + 10_000)
+    makers = [prepare_data._chain, prepare_data._digit_sum] if kind == "synthetic" else [prepare_data._pointer]
     items, count = [], {}
-    while len(items) < 8 * per_level:
-        maker = rng.choice([prepare_data._chain, prepare_data._digit_sum])
+    while len(items) < 4 * len(makers) * per_level:
+        maker = rng.choice(makers)
         (prompt, _), (answer, level) = maker(rng)
         key = (maker.__name__, level)
         if count.get(key, 0) >= per_level:
             continue
         count[key] = count.get(key, 0) + 1
         items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
-                      "difficulty": level, "kind": "chain" if "chain" in maker.__name__ else "sum"})
+                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, "pointer")})
     return items
 
 
@@ -666,7 +668,7 @@ def main(argv):
         check_chat(meta)
         c["eos_ids"] = [IM_END] + c["eos_ids"]
     if c["builtin"]:
-        tasks["synthetic"] = builtin_synthetic(c["builtin_items"], c["seed"])
+        tasks[c["builtin"]] = builtin_items(c["builtin"], c["builtin_items"], c["seed"])
     torch.manual_seed(c["seed"])
     os.makedirs(c["out"], exist_ok=True)
     runs, records = [], []

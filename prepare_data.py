@@ -12,6 +12,16 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
   - copy spans                 "copy kqzfm : kqzfm."       (the second span is predictable)
   - k-hop variable chains      "x=3 a=5 b=a c=b ; c? 5"    (answer label k = hops, 1..4)
   - digit sums mod 10          "sum 3+4+8=5"               (answer label = number of terms, 1..4)
+In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
+it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
+steps can only start once the query is read, beside sentences and copies:
+  - pointer chasing            "d=c c=7 g=f f=2 b=a a=9 ; d? 7"
+    every assignment names a variable defined *later* (nothing resolves while reading), two or three
+    chains are interleaved, the queried chain's last fact comes last, and the query follows it:
+    answer label k = the queried chain's length, 1..4 (k look-ups after the query).
+  python prepare_data.py --dataset=pointer
+Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
+every token of the item span, since the work may sit anywhere in it.
 """
 import os
 import random
@@ -39,7 +49,7 @@ DEFAULTS = dict(
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
 )
-RULES = dict(dataset=["synthetic", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
+RULES = dict(dataset=["synthetic", "pointer", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed="in [0, 4294967295]", size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
@@ -80,22 +90,47 @@ def _digit_sum(rng):
     return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
 
 
-def synthetic_text(n_chars, seed):
-    """Deterministic text and per-character difficulty labels (0 = unlabelled)."""
+def _pointer(rng):
+    """k look-ups after the query: the queried chain head=x1, x1=x2, ..., x_{k-1}=value, written head
+    first, so that each assignment names a variable defined later; one or two other chains of the
+    same form interleaved, each in its own order; the queried chain's value comes last, then the query."""
+    k = rng.randint(1, 4)
+    lengths = [k] + [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
+    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths) + len(lengths)))
+    chains = []
+    for n in lengths:
+        vs = [next(names) for _ in range(n + 1)]           # head .. tail; the last one holds a digit
+        chains.append([f"{vs[i]}={vs[i + 1]}" for i in range(n - 1)] + [f"{vs[n - 1]}={rng.choice('0123456789')}"])
+    head, answer = chains[0][0].split("=")[0], chains[0][-1][-1]
+    streams = [chains[0][:-1]] + chains[1:]                 # everything but the queried value, interleaved
+    order = [i for i, c in enumerate(streams) for _ in c]
+    rng.shuffle(order)
+    parts = [streams[i].pop(0) for i in order] + [chains[0][-1]]
+    return [(" ".join(parts) + f" ; {head}? ", 0), (answer, k)]
+
+
+KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}
+
+
+def synthetic_text(n_chars, seed, kinds="synthetic"):
+    """Deterministic text of the makers of KINDS[kinds], with two per-character labels: the answer
+    token's difficulty (0 = unlabelled), and the item's difficulty over its whole span."""
     rng = random.Random(seed)
-    text, labels, total = [], [], 0
-    makers = [_sentence, _copy, _chain, _digit_sum]
+    text, labels, spans, total = [], [], [], 0
     while total < n_chars:
-        for piece, label in rng.choice(makers)(rng) + [("\n", 0)]:
+        item = rng.choice(KINDS[kinds])(rng)
+        span = max(label for _, label in item)
+        for piece, label in item + [("\n", 0)]:
             text.append(piece)
             labels.extend([label] * len(piece))
+            spans.extend([span if piece != "\n" else 0] * len(piece))
             total += len(piece)
-    return "".join(text), np.array(labels, dtype=np.uint8)
+    return "".join(text), np.array(labels, dtype=np.uint8), np.array(spans, dtype=np.uint8)
 
 
 # ----------------------------------------------------------------------------- writers
 
-def write_split(out, ids, val_fraction, labels=None, meta=None):
+def write_split(out, ids, val_fraction, labels=None, meta=None, spans=None):
     ids = np.asarray(ids)
     if len(ids) < 2:
         raise UserError(f"only {len(ids)} token(s) to split into train and val")
@@ -106,6 +141,8 @@ def write_split(out, ids, val_fraction, labels=None, meta=None):
     files = {"train.bin": ids.astype(np.uint16)[:n_train], "val.bin": ids.astype(np.uint16)[n_train:]}
     if labels is not None:
         files["val_labels.bin"] = labels[n_train:]
+    if spans is not None:
+        files["val_item_labels.bin"] = spans[n_train:]
     for name, array in files.items():  # each file whole or not at all
         atomic_write(os.path.join(out, name), lambda tmp: array.tofile(tmp))
     write_json(os.path.join(out, "meta.json"), meta)
@@ -115,12 +152,14 @@ def write_split(out, ids, val_fraction, labels=None, meta=None):
 
 def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
-    if c["dataset"] == "synthetic":
-        text, labels = synthetic_text(c["size"], c["seed"])
+    if c["dataset"] in KINDS:
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"])
         meta = char_meta(SYNTH_CHARS)
         encode, _ = load_tokenizer(meta)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
-        write_split(out, encode(text), c["val_fraction"], labels, meta)
+        if c["dataset"] == "pointer":
+            meta["item_labels"] = "val_item_labels.bin: uint8 per val token, the difficulty of its item (0: none)"
+        write_split(out, encode(text), c["val_fraction"], labels, meta, spans if c["dataset"] == "pointer" else None)
     elif c["dataset"] in ("shakespeare_char", "text"):
         text = _read_text(c)
         if c["dataset"] == "text" and c["tokenizer"] == "gpt2":

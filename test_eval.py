@@ -194,3 +194,18 @@ def test_standard_benchmark_rows_convert_to_the_task_schema():
     assert items["winogrande"]["choices"][0] == " cup was too big." and items["winogrande"]["answer"] == 0
     assert items["gsm8k"]["answer"] == "7" and items["gsm8k"]["cot"] == "3 + 4 = 7 So the answer is 7."
     assert ev.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
+
+
+def test_builtin_pointer_items_are_graded_by_their_lookups():
+    """--builtin pointer: per_level items at each difficulty 1..4; the answer is what following the
+    queried chain finds, in as many look-ups as the difficulty says, all after the last fact."""
+    items = ev.builtin_items("pointer", 5, seed=int(torch.randint(0, 1000, ())))
+    assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
+    for it in items:
+        facts, query = it["prompt"].strip("\n").split(" ; ")
+        env = dict(f.split("=") for f in facts.split())
+        v, hops = query[0], 1
+        while not env[v].isdigit():
+            v, hops = env[v], hops + 1
+        assert env[v] == it["answer"] and hops == it["difficulty"] and it["kind"] == "pointer"
+        assert facts.split()[-1] == f"{v}={it['answer']}"

@@ -15,6 +15,7 @@ import train
 from configurator import UserError
 from conftest import TINY, read_log
 from model import exit_pdf
+from tokenizer import load_tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------- priors and regularizers
@@ -143,10 +144,52 @@ def test_configurator_three_forms_and_files(tmp_path):
 
 # ----------------------------------------------------------------------------- data
 
+def resolve(line):
+    """Brute force: the value of the queried variable, and the look-ups it takes."""
+    left, q = line.split(" ; ")
+    env = dict(p.split("=") for p in left.split())
+    var, ans = q.split("? ")
+    hops, v = 1, var
+    while not env[v].isdigit():
+        v, hops = env[v], hops + 1
+    return env[v], ans, hops
+
+
+def test_pointer_items_need_their_k_lookups_after_the_last_fact():
+    """Every pointer item: each assignment names a variable defined later or a digit (nothing
+    resolves while reading), the queried chain's value is the last fact, the answer is what brute
+    force finds, its label is the number of look-ups, and the item span carries the same label."""
+    text, labels, spans = prepare_data.synthetic_text(30000, seed=5, kinds="pointer")
+    assert text == prepare_data.synthetic_text(30000, seed=5, kinds="pointer")[0] and len(text) == len(spans)
+    pos, seen = 0, set()
+    for line in text.split("\n")[:-1]:
+        lab, span = labels[pos:pos + len(line)], spans[pos:pos + len(line)]
+        if "?" in line:
+            value, ans, k = resolve(line)
+            assert value == ans and lab[-1] == k and lab[:-1].sum() == 0 and set(span.tolist()) == {k}
+            facts = line.split(" ; ")[0].split()
+            defined = [f.split("=")[0] for f in facts]
+            for i, f in enumerate(facts):
+                rhs = f.split("=")[1]
+                assert rhs.isdigit() or rhs in defined[i + 1:], line   # a forward reference
+            var = line.split(" ; ")[1][0]
+            chain = [var]
+            env = dict(f.split("=") for f in facts)
+            while not env[chain[-1]].isdigit():
+                chain.append(env[chain[-1]])
+            assert facts[-1] == f"{chain[-1]}={ans}"                 # the queried value comes last
+            assert len(facts) > k                                    # other chains are mixed in
+            seen.add(k)
+        else:
+            assert lab.sum() == 0 and span.sum() == 0
+        pos += len(line) + 1
+    assert seen == {1, 2, 3, 4}
+
+
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
-    t1, l1 = prepare_data.synthetic_text(20000, seed=3)
-    t2, l2 = prepare_data.synthetic_text(20000, seed=3)
-    t3, _ = prepare_data.synthetic_text(20000, seed=4)
+    t1, l1, _ = prepare_data.synthetic_text(20000, seed=3)
+    t2, l2, _ = prepare_data.synthetic_text(20000, seed=3)
+    t3, _, _ = prepare_data.synthetic_text(20000, seed=4)
     assert t1 == t2 and np.array_equal(l1, l2) and t1 != t3
     assert len(t1) == len(l1)
     lines = t1.split("\n")[:-1]
@@ -154,14 +197,9 @@ def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     for line in lines:
         labels = l1[pos:pos + len(line)]
         if "?" in line:  # chain: follow the assignments by brute force
-            left, q = line.split(" ; ")
-            env = dict(p.split("=") for p in left.split())
-            var, ans = q.split("? ")
-            hops, v = 0, var
-            while not env[v].isdigit():
-                v, hops = env[v], hops + 1
-            assert env[v] == ans and labels[-1] == hops + 1 and labels[:-1].sum() == 0
-            seen.add(("chain", hops + 1))
+            value, ans, hops = resolve(line)
+            assert value == ans and labels[-1] == hops and labels[:-1].sum() == 0
+            seen.add(("chain", hops))
         elif line.startswith("sum "):
             terms, ans = line[4:].split("=")
             terms = [int(t) for t in terms.split("+")]
@@ -179,7 +217,7 @@ def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     lab = np.fromfile(os.path.join(out, "val_labels.bin"), dtype=np.uint8)
     train_ids = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16)
     meta = json.load(open(os.path.join(out, "meta.json")))
-    enc, dec = prepare_data.load_tokenizer(meta)
+    enc, dec = load_tokenizer(meta)
     assert dec(list(train_ids)) + dec(list(val)) == t1[:len(train_ids) + len(val)]
     assert len(lab) == len(val) and np.array_equal(lab, l1[len(train_ids):len(train_ids) + len(val)])
 
@@ -387,3 +425,17 @@ def test_config_files_parse():
     c = configurator.parse([os.path.join(cfg_dir, "ouro160m_fineweb.py")], train.DEFAULTS, train.RULES)
     assert c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] == 524_288   # App. B
     assert (c["n_layer"], c["n_embd"], c["ffn_hidden"], c["n_head"]) == (12, 768, 2048, 12)
+
+
+def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path):
+    """train.py --dataset=pointer prepares it offline (answer and item-span labels that agree) and logs
+    the mean depth over the spans of items of each difficulty."""
+    out, data = str(tmp_path / "o"), str(tmp_path / "d")
+    m = train.main(TINY + [f"--data_dir={data}", f"--out_dir={out}", "--dataset=pointer", "--max_iters=2",
+                           "--eval_interval=2"])
+    span = np.fromfile(os.path.join(data, "pointer", "val_item_labels.bin"), dtype=np.uint8)
+    lab = np.fromfile(os.path.join(data, "pointer", "val_labels.bin"), dtype=np.uint8)
+    assert len(span) == len(lab) and set(np.unique(span)) == {0, 1, 2, 3, 4}
+    assert np.all(span[lab > 0] == lab[lab > 0])                   # an answer lies in its own item's span
+    assert set(m["span_depth_by_difficulty"]) == {"1", "2", "3", "4"}
+    assert all(v is None or 1 <= v <= 4 for v in m["span_depth_by_difficulty"].values())

@@ -379,9 +379,9 @@ def ensure_data(c):
             raise UserError(f"--dataset={c.dataset}: cannot read {meta_path} ({type(e).__name__}); "
                             "prepare the dataset again with prepare_data.py")
     import prepare_data
-    if c.dataset == "synthetic":  # the default dataset prepares itself, offline
-        print("preparing the synthetic dataset (python prepare_data.py)", file=sys.stderr)
-        prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=c.data_dir))
+    if c.dataset in prepare_data.KINDS:  # the generated datasets prepare themselves, offline
+        print(f"preparing the {c.dataset} dataset (python prepare_data.py --dataset={c.dataset})", file=sys.stderr)
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=c.data_dir, dataset=c.dataset))
         return ensure_data(c)
     kinds = prepare_data.RULES["dataset"]
     kind = c.dataset if c.dataset in kinds else "<" + "|".join(kinds) + ">"
@@ -443,15 +443,17 @@ def eval_thresholds(c):
 
 
 @torch.no_grad()
-def evaluate(model, val, labels, c, prior, ctx, device):
+def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
     """Fixed-depth and ragged (ETE-Ragged, teacher-forced) val losses, exit statistics at the first
     eval threshold, the KL of the batch-mean exit distribution, and on synthetic data the exit
-    depth by difficulty (the depth at position i paired with the label of token i+1)."""
+    depth by difficulty (the depth at position i paired with the label of token i+1); with item
+    labels (the pointer dataset) also the mean depth over the whole span of items of each difficulty,
+    since the work an answer needs may sit anywhere in its item."""
     model.eval()
     g = torch.Generator().manual_seed(c.seed + 1)  # the same eval batches every time
     U = model.config.n_loops
     thrs = eval_thresholds(c)
-    fixed, pis, ragged, exits, diffs = [], [], {t: [] for t in thrs}, [], []
+    fixed, pis, ragged, exits, diffs, spans = [], [], {t: [] for t in thrs}, [], [], []
     depth = {t: [] for t in thrs}
     for _ in range(c.eval_iters):
         starts = draw_starts(val, c, c.batch_size, g)
@@ -468,6 +470,8 @@ def evaluate(model, val, labels, c, prior, ctx, device):
         pis.append(exit_pdf(out["gate_logits"]).reshape(-1, U))
         if labels is not None:
             diffs.append(windows(labels, starts, c.block_size, 1))
+        if item_labels is not None:
+            spans.append(windows(item_labels, starts, c.block_size, 1))
     model.train()
     e = torch.cat(exits)                                    # (batches*B, T)
     stats = exit_stats(e, U)                                # jumps within each sequence
@@ -492,6 +496,10 @@ def evaluate(model, val, labels, c, prior, ctx, device):
         lab = d > 0
         rho = spearman(ev[lab], d[lab])
         metrics["difficulty_spearman"] = None if math.isnan(rho) else r(rho)
+    if spans:
+        d, ev = torch.cat(spans).reshape(-1).numpy(), e.reshape(-1).numpy()
+        metrics["span_depth_by_difficulty"] = {str(k): (r(ev[d == k].mean()) if (d == k).any() else None)
+                                               for k in range(1, 5)}
     return metrics
 
 
@@ -660,6 +668,8 @@ def main(argv):
     train, val = load_split(c, "train"), load_split(c, "val")
     label_path = os.path.join(c.data_dir, c.dataset, "val_labels.bin")
     labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
+    item_path = os.path.join(c.data_dir, c.dataset, "val_item_labels.bin")
+    item_labels = np.memmap(item_path, dtype=np.uint8, mode="r") if os.path.isfile(item_path) else None
     for split in (train, val):
         if len(split) <= c.block_size + 1:
             raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
@@ -683,13 +693,14 @@ def main(argv):
                 "beta": beta_schedule(it / c.max_iters, c.beta), "unigram_loss": round(baseline, 5)}
 
     if c.eval_only:  # one evaluation, printed; nothing is written
-        metrics = evaluate(model, val, labels, c, prior, ctx, device)
+        metrics = evaluate(model, val, labels, c, prior, ctx, device, item_labels)
         if master:
             print(json.dumps(record_of(iter_num, metrics)))
         return metrics
     run = SimpleNamespace(model=model, optimizer=optimizer, meta=meta, data_gen=data_gen, exit_gen=exit_gen,
                           master=master, rank=rank, world=world, n_micro=n_micro, device=device, ctx=ctx,
-                          prior=prior, record_of=record_of, train=train, val=val, labels=labels)
+                          prior=prior, record_of=record_of, train=train, val=val, labels=labels,
+                          item_labels=item_labels)
     run.log_file, run.pending = log_target(c, master)
     if resumed_at is not None and master:
         trim_log(os.path.join(c.out_dir, "log.jsonl"), resumed_at)
@@ -761,7 +772,7 @@ def train_loop(c, run, iter_num, resumed_at):
     metrics, saved_at = None, resumed_at
     while True:
         if (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != resumed_at:
-            metrics = evaluate(model, run.val, run.labels, c, run.prior, run.ctx, run.device)
+            metrics = evaluate(model, run.val, run.labels, c, run.prior, run.ctx, run.device, run.item_labels)
             write_record(c, run, run.record_of(iter_num, metrics))
             if run.master:
                 bar.write(f"iter {iter_num}: val loss fixed@1..{U} {metrics['val_loss_fixed']}, ragged "
