@@ -40,7 +40,7 @@ from configurator import DTYPES, UserError, check_writable, device_rule, parse, 
 from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
-from serve_depthbatch import MODES, Engine, Request
+from serve_depthbatch import HEADS, MODES, Engine, Request
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -69,6 +69,7 @@ DEFAULTS = dict(
     max_batch=32,          # requests in flight in the engine
     kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
+    head="shared",         # LM-head calls of the generation runs: shared or eager (serve_depthbatch.HEADS)
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
@@ -77,7 +78,7 @@ DEFAULTS = dict(
 )
 RULES = dict(builtin=["", "synthetic", "pointer"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, device=device_rule, seed="in [0, 4294967295]",
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed="in [0, 4294967295]",
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -397,7 +398,8 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     """n rollouts per item through the engine; stop text cuts a rollout (and frees its pages)."""
     mode, thr, depth = spec
     U = model.config.n_loops
-    engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"])
+    engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
+                    head=c["head"])
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
     eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
     reqs = []
@@ -506,7 +508,8 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
             for r in requests:
                 ctx, kw = r.args
                 items.append((encode(ctx), kw.get("until") or [], int(kw.get("max_gen_toks", c["max_tokens"]))))
-            engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"])
+            engine = Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
+                    head=c["head"])
             reqs = []
             for ids, until, cap in items:
                 ids = ids[-(model.config.block_size - 1):]

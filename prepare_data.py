@@ -15,7 +15,7 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
 In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
 it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
 steps can only start once the query is read, beside sentences and copies:
-  - pointer chasing            "d=c c=7 g=f f=2 b=a a=9 ; d? 7"
+  - pointer chasing            "g=f d=c b=a f=2 a=9 c=7 ; d? 7"
     every assignment names a variable defined *later* (nothing resolves while reading), two or three
     chains are interleaved, the queried chain's last fact comes last, and the query follows it:
     answer label k = the queried chain's length, 1..4 (k look-ups after the query).

@@ -33,7 +33,7 @@ from checkpoint import load_for_script
 from configurator import DTYPES, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import check_prompt, exit_stats
-from serve_depthbatch import MODES, Engine, Request
+from serve_depthbatch import HEADS, MODES, Engine, Request
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -54,6 +54,7 @@ DEFAULTS = dict(
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
+    head="shared",         # LM-head calls: shared (exited rows wait to share one; a fixed batch's deepest never waits) or eager
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
@@ -63,7 +64,7 @@ DEFAULTS = dict(
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
              seed="in [0, 4294967295]", thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
-             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
+             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS, head=HEADS,
              dtype=list(DTYPES))
 
 
@@ -175,7 +176,7 @@ def main(argv):
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
     try:
-        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"])
+        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"], head=c["head"])
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

@@ -31,7 +31,7 @@ from configurator import DTYPES, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
-from serve_depthbatch import SCHEDULERS, SEED_MAX, Engine, Request
+from serve_depthbatch import HEADS, SCHEDULERS, SEED_MAX, Engine, Request
 from tokenizer import IM_END, chat_ids, has_chat
 
 MAX_BODY = 16 << 20                       # bytes of one request body
@@ -391,13 +391,14 @@ DEFAULTS = dict(
     max_rows=256,          # rows per pass that prefill chunks may fill next to the decode rows
     scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all U loops (fixed)
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
+    head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
     verbose=False,         # log every HTTP request
 )
 RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
-             scheduler=SCHEDULERS, attn=IMPLS, device=device_rule, dtype=list(DTYPES))
+             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, device=device_rule, dtype=list(DTYPES))
 
 
 def main(argv):
@@ -408,7 +409,7 @@ def main(argv):
     if pages < cfg.n_loops:
         raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth ({cfg.n_loops} pages)")
     chat = encode is not None and has_chat(meta)
-    engine = Engine(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"])
+    engine = Engine(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"])
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
     server.verbose = c["verbose"]

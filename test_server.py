@@ -1,5 +1,7 @@
 """The OpenAI-style HTTP API (server.py) on a loopback port: completions equal the engine's, streaming,
-batching of concurrent clients, the official client, bad requests, disconnects, chat on an Ouro folder."""
+batching of concurrent clients, the official client, bad requests, disconnects, chat on an Ouro folder;
+and a seeded fuzz of malformed requests beside valid ones, an error inside a step, a dead engine thread."""
+import contextlib
 import json
 import socket
 import threading
@@ -17,25 +19,32 @@ from server import serve
 from tokenizer import char_meta, load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def http_server():
-    """A char-level random model served on a free loopback port, with the engine thread running."""
+@contextlib.contextmanager
+def serving(seed, kv_pages, max_batch, **shape):
+    """A char-level random model served on a free loopback port, with the engine thread running.
+    Yields (url, engine, server, encode, decode)."""
     from model import GPTConfig, LoopedLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     meta = char_meta(SYNTH_CHARS)
-    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=2, n_head=4, n_embd=32,
-                               ffn_hidden=48)).eval()
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], **shape)).eval()
     with torch.no_grad():
         model.early_exit_gate.weight.normal_(0, 2.0)
     encode, decode = load_tokenizer(meta)
-    engine = Engine(model, 2000, max_batch=8)
+    engine = Engine(model, kv_pages, max_batch=max_batch)
     httpd, server = serve(engine, "127.0.0.1", 0, encode, decode, "tiny")
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, encode, decode
-    httpd.shutdown()
-    server.stop()
-    httpd.server_close()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, server, encode, decode
+    finally:
+        httpd.shutdown()
+        server.stop()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    with serving(0, 2000, 8, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=48) as (url, engine, _, enc, dec):
+        yield url, engine, enc, dec
 
 
 def post(url, body, raw=False):
@@ -187,21 +196,8 @@ def test_http_chat_completions_on_an_ouro_folder(tmp_path):
 @pytest.fixture()
 def own_server():
     """A fresh server of its own (the tests below break things on purpose)."""
-    from model import GPTConfig, LoopedLM
-    torch.manual_seed(1)
-    meta = char_meta(SYNTH_CHARS)
-    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=48, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
-                               ffn_hidden=24)).eval()
-    with torch.no_grad():
-        model.early_exit_gate.weight.normal_(0, 2.0)
-    encode, decode = load_tokenizer(meta)
-    engine = Engine(model, 600, max_batch=6)
-    httpd, server = serve(engine, "127.0.0.1", 0, encode, decode, "tiny")
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, server, encode
-    httpd.shutdown()
-    server.stop()
-    httpd.server_close()
+    with serving(1, 600, 6, block_size=48, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, ffn_hidden=24) as s:
+        yield s[:4]
 
 
 def raw_request(url, head, body=b"", read=True):
