@@ -101,11 +101,16 @@ def test_a_diverging_run_stops_with_a_clean_error_and_keeps_its_checkpoint(tmp_p
             return float("nan"), parts, kl_step
         return loss, parts, kl_step
     monkeypatch.setattr(train, "train_step", diverges)
-    with pytest.raises(UserError, match="diverged at iter 3"):
+    with pytest.raises(UserError, match="diverged at iter 3.*the checkpoint of iter 2 in .* is kept"):
         train.main(args)
     ck = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     assert ck["iter_num"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
     assert [r["iter"] for r in read_log(out)][-1] <= 3
+    calls.clear()                        # diverging before any checkpoint: the message says so
+    fresh = str(tmp_path / "fresh")
+    with pytest.raises(UserError, match="diverged at iter 3.*no checkpoint of this run was written"):
+        train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={fresh}", "--max_iters=6", "--eval_interval=5"])
+    assert not os.path.exists(os.path.join(fresh, "ckpt.pt"))
 
 
 def test_beta_schedule_knots():
