@@ -20,6 +20,10 @@ chunk needs. When the pool runs out, the most recently admitted request is preem
 freed, requeued); when it returns, its cache is rebuilt by a recomputation that replays the exit
 depths it already had, so its continuation is exactly what it would have been.
 
+The LM head runs on the rows whose exit samples a token. With a real vocabulary it weighs as much as
+the block, so head="shared" lets exited rows wait up to MAX_WAIT passes to share one call while
+waiting is cheaper than a call; the tokens are the same either way.
+
 The HTTP API over this engine is server.py; its benchmark is `python bench.py --what=engine`.
 """
 import math
