@@ -15,9 +15,9 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
 In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
 it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
 steps can only start once the query is read, beside sentences and copies:
-  - pointer chasing            "g=f d=c b=a f=2 a=9 c=7 ; d? 7"
+  - pointer chasing            "g=f d=c b=a c=7 a=9 f=2 ; d? 7"
     every assignment names a variable defined *later* (nothing resolves while reading), two or three
-    chains are interleaved, the queried chain's last fact comes last, and the query follows it:
+    chains interleaved, every chain's digit after all the pointers in a random order, then the query:
     answer label k = the queried chain's length, 1..4 (k look-ups after the query).
   python prepare_data.py --dataset=pointer
 Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
@@ -91,21 +91,24 @@ def _digit_sum(rng):
 
 
 def _pointer(rng):
-    """k look-ups after the query: the queried chain head=x1, x1=x2, ..., x_{k-1}=value, written head
-    first, so that each assignment names a variable defined later; one or two other chains of the
-    same form interleaved, each in its own order; the queried chain's value comes last, then the query."""
+    """k look-ups after the query: the queried chain head=x1, x1=x2, ..., x_{k-1}=digit, its pointers
+    written head first, so that each assignment names a variable defined later; one or two other
+    chains of the same form; all pointers first (interleaved, each chain in its own order), then
+    every chain's digit in a random order, then the query. Which digit answers is known only once
+    the chain is followed, and the answer's position among the digits says nothing."""
     k = rng.randint(1, 4)
     lengths = [k] + [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
-    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths) + len(lengths)))
-    chains = []
+    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
+    pointers, values, head, answer = [], [], None, None
     for n in lengths:
-        vs = [next(names) for _ in range(n + 1)]           # head .. tail; the last one holds a digit
-        chains.append([f"{vs[i]}={vs[i + 1]}" for i in range(n - 1)] + [f"{vs[n - 1]}={rng.choice('0123456789')}"])
-    head, answer = chains[0][0].split("=")[0], chains[0][-1][-1]
-    streams = [chains[0][:-1]] + chains[1:]                 # everything but the queried value, interleaved
-    order = [i for i, c in enumerate(streams) for _ in c]
+        vs = [next(names) for _ in range(n)]                # head .. the one that holds a digit
+        pointers.append([f"{vs[i]}={vs[i + 1]}" for i in range(n - 1)])
+        values.append(f"{vs[-1]}={rng.choice('0123456789')}")
+        head, answer = (vs[0], values[-1][-1]) if head is None else (head, answer)
+    order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
-    parts = [streams[i].pop(0) for i in order] + [chains[0][-1]]
+    rng.shuffle(values)
+    parts = [pointers[i].pop(0) for i in order] + values
     return [(" ".join(parts) + f" ; {head}? ", 0), (answer, k)]
 
 
