@@ -29,11 +29,11 @@ import time
 import torch
 
 from checkpoint import load_checkpoint
-from configurator import UserError, device_rule, parse, resolve_device, run_cli
+from configurator import SEED_RULE, UserError, device_rule, parse, resolve_device, run_cli
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, forward_lanes, generate
 from ragged import DenseLanes
-from serve_depthbatch import HEADS, Engine, Request
+from serve_depthbatch import HEADS, Engine, Request, weight_bytes
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives
@@ -63,7 +63,7 @@ DEFAULTS = dict(
     device="cpu",          # engine: where to run (auto: CUDA when there is one)
 )
 RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
-             thr="floats in [0, 1]", seed="in [0, 4294967295]", threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
+             thr="floats in [0, 1]", seed=SEED_RULE, threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
              f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)", steps=">= 1", batch_size=">= 1",
              block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
              max_rows=">= 1", attn=IMPLS, device=device_rule, shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
@@ -226,12 +226,12 @@ def bench_train(c):
 
 # ----------------------------------------------------------------------------- the weight-read cost model
 
-def cost(e, passes, head_calls, avg_depth):
+def cost(U, weights, passes, head_calls, avg_depth):
     """Decode on one device is weight-bound at small batch: a block pass reads the block's weights
     (W_block) and a head call the LM head's (W_head), whatever the rows. Weights read by a run, and
     the ideal speed against fixed@U per sampled token at full batch width:
-    (U·W_block + W_head) / (Ē·W_block + W_head)."""
-    U, wb, wh = e.U, e.w_block, e.w_head
+    (U·W_block + W_head) / (Ē·W_block + W_head). weights: (W_block, W_head), serve_depthbatch.weight_bytes."""
+    wb, wh = weights
     return dict(weight_gb=(passes * wb + head_calls * wh) / 1e9, head_to_block=wh / wb,
                 ideal_cost=(U * wb + wh) / (avg_depth * wb + wh))
 
@@ -322,15 +322,14 @@ def batch_run(model, prompts, n_new, config, thr, c):
     scheduler, mode, head = config
     B, U = len(prompts), model.config.n_loops
     t0 = time.perf_counter()
-    if scheduler == "ouro_way":
+    wb, wh = weights = weight_bytes(model)
+    if scheduler == "ouro_way":    # every token all U loops, one head call per step: the unit of the ratios
         tokens = ouro_way(model, prompts, n_new)
         seconds = time.perf_counter() - t0
-        wb = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-        wh = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
         return dict(scheduler=scheduler, mode=mode, head=head, thr=None, seconds=seconds, tok_s=B * n_new / seconds,
                     passes_total=U * n_new, head_calls=n_new, rows_per_head_call=B, avg_decode_depth=float(U),
-                    makespan_bound=U * n_new, weight_gb=U * n_new * wb / 1e9 + n_new * wh / 1e9, head_to_block=wh / wb,
-                    ideal_cost=1.0, ideal_batch=1.0, token_lists=tokens)
+                    makespan_bound=U * n_new, **cost(U, weights, U * n_new, n_new, U), ideal_batch=1.0,
+                    token_lists=tokens)
     e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=c["max_rows"],
                scheduler=scheduler, attn=c["attn"], head=head)
     reqs = e.run([Request(p, n_new, mode, thr) for p in prompts])
@@ -339,11 +338,10 @@ def batch_run(model, prompts, n_new, config, thr, c):
     avg = sum(dec) / len(dec)
     # the deepest request alone: its prompt chunk's passes, then one pass per depth of every decode token
     makespan = max(max(r.prompt_exits) + sum(r.decode_exits) for r in reqs)
-    wb, wh = e.w_block, e.w_head
     return dict(scheduler=scheduler, mode=mode, head=head, thr=None if mode == "fixed" else thr, seconds=seconds,
                 tok_s=B * n_new / seconds, passes_total=e.stats["passes"], head_calls=e.stats["head_calls"],
                 rows_per_head_call=e.stats["head_rows"] / e.stats["head_calls"], avg_decode_depth=avg,
-                makespan_bound=makespan, **cost(e, e.stats["passes"], e.stats["head_calls"], avg),
+                makespan_bound=makespan, **cost(U, weights, e.stats["passes"], e.stats["head_calls"], avg),
                 ideal_batch=(U * n_new * wb + n_new * wh) / (makespan * wb + n_new * wh),
                 token_lists=[r.tokens for r in reqs])
 
@@ -568,7 +566,7 @@ def bench_record(run, thr, batch):
                 kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits,
                 peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
                 row_depths=s["rows"], head_calls=s["head_calls"], rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
-                **cost(e, s["passes"], s["head_calls"], avg))
+                **cost(U, (e.w_block, e.w_head), s["passes"], s["head_calls"], avg))
 
 
 def fastest(records):

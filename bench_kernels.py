@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():   # the CPU can only run Triton kernels in the interpreter, in float32
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from configurator import UserError, parse, run_cli  # noqa: E402  (after the interpreter switch)
+from configurator import SEED_RULE, UserError, parse, run_cli  # noqa: E402  (after the interpreter switch)
 from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton  # noqa: E402
 
 DEFAULTS = dict(
@@ -38,7 +38,7 @@ DEFAULTS = dict(
 )
 RULES = dict(batches=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
              contexts=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
-             heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed="in [0, 4294967295]")
+             heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed=SEED_RULE)
 
 
 def make_case(B, ctx, H, D, dtype, device, pool_pages=None, seed=0):

@@ -27,6 +27,7 @@ import re
 import sys
 import tempfile
 import tokenize
+import traceback
 
 import torch
 
@@ -44,6 +45,7 @@ _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True,
 
 
 INT_MAX = 2**63 - 1
+SEED_RULE = "in [0, 4294967295]"   # --seed of every script: numpy's seeds are 32-bit
 
 
 def _finite(key, raw, value):
@@ -208,8 +210,7 @@ def _apply_file(path, config, defaults):
     except SyntaxError as e:
         raise UserError(f"config file {path}: line {e.lineno}: {e.msg}")
     except Exception as e:      # an undefined name, a failing expression: the file's own mistake
-        line = next((f.lineno for f in reversed(__import__("traceback").extract_tb(e.__traceback__))
-                     if f.filename == path), "?")
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
         raise UserError(f"config file {path}: line {line}: {type(e).__name__}: {e}")
     for key, value in scope.items():
         if key.startswith("_") or callable(value) or type(value).__name__ == "module":

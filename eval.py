@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from checkpoint import atomic_write, load_for_script, write_json
-from configurator import DTYPES, UserError, check_writable, device_rule, parse, run_cli
+from configurator import DTYPES, SEED_RULE, UserError, check_writable, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
@@ -78,7 +78,7 @@ DEFAULTS = dict(
 )
 RULES = dict(builtin=["", "synthetic", "pointer"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed="in [0, 4294967295]",
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed=SEED_RULE,
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -548,10 +548,8 @@ def check_lm_eval_tasks(c):
 
 
 def run_lm_eval(model, encode, decode, specs, c, device):
-    try:
-        import lm_eval
-    except ImportError:
-        raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and its tasks' datasets")
+    """Each --modes spec through lm-evaluation-harness (check_lm_eval_tasks has checked it first)."""
+    import lm_eval
     from lm_eval.tasks import TaskManager
     manager = TaskManager(include_path=c["lm_eval_include"] or None)
     runs = []

@@ -385,22 +385,24 @@ FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (e
 
 
 class RaggedReads:
-    """Attention hook of the dense-shaped ragged forward. Every token's K/V is kept at every depth
-    it ran, and a query at depth d reads key j at depth min(d, e_j) (Eq. 7): its own depth while j
-    still runs, j's terminal depth once j has stopped. `read` holds that depth (0-based) per key for
-    the block application in progress. With `history` a list, the K/V read at every (depth, layer)
-    are appended to it (the committed rollout of counterfactual training)."""
+    """Attention hook of the dense-shaped ragged forward: a query at depth d reads key j at depth
+    min(d, e_j) (Eq. 7), its own depth while j still runs, j's terminal depth once j has stopped.
+    `read` holds that depth (0-based) per key for the block application in progress (depth `d`,
+    0-based). Since it only moves while the token runs, each layer keeps every key's K/V at its read
+    depth: refreshed where read == d, kept where the token has stopped. With `history` a list, the
+    K/V read at every (depth, layer) are appended to it (the committed rollout of counterfactual
+    training)."""
 
     def __init__(self, n_layer, history=None):
-        self.k, self.v = [[] for _ in range(n_layer)], [[] for _ in range(n_layer)]
-        self.read = None      # (B, T) long
+        self.k, self.v = [None] * n_layer, [None] * n_layer
+        self.read, self.d = None, 0      # (B, T) long; the depth being run
         self.history = history
 
     def layer_kv(self, layer, k, v):
-        self.k[layer].append(k)
-        self.v[layer].append(v)
-        at = self.read[None, :, None, :, None].expand(1, *k.shape)          # depth index of every key
-        k, v = torch.stack(self.k[layer]).gather(0, at)[0], torch.stack(self.v[layer]).gather(0, at)[0]
+        if self.k[layer] is not None:
+            fresh = (self.read == self.d)[:, None, :, None]          # keys read at this depth
+            k, v = torch.where(fresh, k, self.k[layer]), torch.where(fresh, v, self.v[layer])
+        self.k[layer], self.v[layer] = k, v
         if self.history is not None:
             self.history.append((k, v))
         T = k.shape[2]
@@ -433,7 +435,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     states = torch.zeros_like(h)
     gates, kv = [], RaggedReads(model.config.n_layer, history)
     for d in range(1, U + 1):
-        kv.read = torch.clamp(last, max=d) - 1                      # Eq. 7: read K/V at min(d, e_j)
+        kv.read, kv.d = torch.clamp(last, max=d) - 1, d - 1         # Eq. 7: read K/V at min(d, e_j)
         hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
         gates.append(gate)
         if exits is not None:

@@ -31,7 +31,7 @@ import urllib.request
 import numpy as np
 
 from checkpoint import atomic_write, write_json
-from configurator import UserError, check_writable, parse, run_cli
+from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from tokenizer import char_meta, gpt2_encoding, load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -50,7 +50,7 @@ DEFAULTS = dict(
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
 )
 RULES = dict(dataset=["synthetic", "pointer", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
-             seed="in [0, 4294967295]", size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
+             seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
 

@@ -28,7 +28,7 @@ import torch
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from configurator import UserError, check_writable, parse, run_cli
+from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from model import forward_ragged
 
 DEFAULTS = dict(
@@ -41,7 +41,7 @@ DEFAULTS = dict(
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
 )
-RULES = dict(seeds=">= 1", seed="in [0, 4294967295]")
+RULES = dict(seeds=">= 1", seed=SEED_RULE)
 THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script
-from configurator import DTYPES, UserError, device_rule, parse, run_cli
+from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from serve_depthbatch import HEADS, MODES, Engine, Request
@@ -63,7 +63,7 @@ DEFAULTS = dict(
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
-             seed="in [0, 4294967295]", thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
+             seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS, head=HEADS,
              dtype=list(DTYPES))
 

@@ -178,6 +178,13 @@ def check_request(r, cfg, n_pages):
                         f"in mode {r.mode}, {r.max_tokens} new tokens) but the pool has {n_pages}")
 
 
+def weight_bytes(model):
+    """The weights a pass of the block reads (all L layers) and those an LM-head call reads: the two
+    prices of the weight-read cost model (decode is weight-bound at small batch)."""
+    head = model.lm_head.weight
+    return sum(p.numel() * p.element_size() for p in model.layers.parameters()), head.numel() * head.element_size()
+
+
 class Live:
     """The engine's own state of one admitted request: its page table, the rows in flight, how far
     its positions have run, its sampler, and what preemption has cost it."""
@@ -190,6 +197,7 @@ class Live:
         self.generator = torch.Generator().manual_seed(req.seed)
         self.evals_before = 0           # block evaluations of caches freed by preemption
         self.ending = False             # the last token is sampled; ends when its group finishes
+        self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)
 
     def runnable(self):
         """Positions it must run: every known token but a final sampled one (that one never runs)."""
@@ -271,8 +279,7 @@ class Engine:
         # head call, and the cost model that decides how long: the weight bytes a block pass and a head
         # call read (decode is weight-bound: a call costs about the same for 1 row as for 8)
         self.head, self.pending, self.emitted = head, [], []
-        self.w_block = sum(p.numel() * p.element_size() for p in model.layers.parameters())
-        self.w_head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        self.w_block, self.w_head = weight_bytes(model)
 
     def add(self, r):
         """Queue a request after checking it. Raises UserError (nothing queued) if it is malformed
@@ -412,7 +419,8 @@ class Engine:
         if self.waiting:
             dear = len(self.pending) * self.w_block >= self.w_head * self.max_batch
         else:
-            dear = any(s is self._deepest() for s, _, _ in self.pending)
+            deepest = self._deepest()
+            dear = any(s is deepest for s, _, _ in self.pending)
         if others and not dear and max(w for _, _, w in self.pending) < MAX_WAIT:
             return []
         out, self.pending = [(s, h) for s, h, _ in self.pending], []
@@ -422,9 +430,8 @@ class Engine:
         """The running request with the most passes left (tokens to go x its mean decode depth so far):
         the one that ends the batch when nothing queues."""
         def left(s):
-            r, U = s.req, n_run(s.req, self.U)
-            dec = r.exits[len(r.prompt):]
-            return (r.max_tokens - len(r.tokens)) * (sum(dec) / len(dec) if dec else U)
+            total, n = s.decode_depths
+            return (s.req.max_tokens - len(s.req.tokens)) * (total / n if n else n_run(s.req, self.U))
         return max(self.running, key=left, default=None)
 
     def _sample(self, rows):
@@ -457,6 +464,8 @@ class Engine:
         for g in groups:
             s = g.live
             if len(g.pos) == 0 and s.group is g:
+                new = g.exits[max(len(s.req.prompt), len(s.req.exits)) - g.start:]   # positions not recorded before
+                s.decode_depths = [s.decode_depths[0] + sum(new), s.decode_depths[1] + len(new)]
                 s.req.exits[g.start:g.start + g.size] = g.exits
                 s.done = g.start + g.size
                 s.group = None
@@ -686,6 +695,9 @@ class Engine:
         self.pool.check()
         for s in self.running:
             s.seq.check()
+        for s in self.running:      # the running decode depth that _deepest reads, against a recount
+            dec = s.req.exits[len(s.req.prompt):]
+            assert s.decode_depths == [sum(dec), len(dec)], (s.decode_depths, dec)
         held = sum(int(s.seq.real[:s.seq.n].sum()) for s in self.running)
         assert held == self.pool.used, f"{self.pool.used} pages used, {held} held by running requests"
 

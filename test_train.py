@@ -277,18 +277,24 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_dir):
     assert (open(os.path.join(split, "ckpt.pt"), "rb").read(), open(os.path.join(split, "log.jsonl"), "rb").read()) == (ckpt, log)
 
 
+def kill_at_step(monkeypatch, n):
+    """train.train_step raises KeyboardInterrupt at its n-th call (a run killed mid-training)."""
+    real_step, calls = train.train_step, []
+
+    def killed(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+    monkeypatch.setattr(train, "train_step", killed)
+    return real_step
+
+
 def test_a_run_killed_after_a_checkpoint_resumes_with_each_iteration_logged_once(tmp_path, data_dir, monkeypatch):
     common = TINY + [f"--data_dir={data_dir}", "--max_iters=8", "--eval_interval=4", "--global_kl"]
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
     train.main(common + [f"--out_dir={full}"])
-    real_step, calls = train.train_step, []
-
-    def killed(*a, **k):        # killed at iter 6, after the checkpoint of iter 4 and two more log records
-        calls.append(1)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-    monkeypatch.setattr(train, "train_step", killed)
+    real_step = kill_at_step(monkeypatch, 7)   # killed at iter 6, after the checkpoint of iter 4 and two more records
     with pytest.raises(KeyboardInterrupt):
         train.main(common + [f"--out_dir={split}"])
     assert max(r["iter"] for r in read_log(split)) == 6
@@ -308,14 +314,7 @@ def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_d
     mask = os.umask(0)
     os.umask(mask)
     assert os.stat(os.path.join(out, "ckpt.pt")).st_mode & 0o777 == 0o666 & ~mask   # not mkstemp's 0600
-    real_step, calls = train.train_step, []
-
-    def interrupted(*a, **k):   # the second run is killed during its first steps, before any checkpoint
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_step(*a, **k)
-    monkeypatch.setattr(train, "train_step", interrupted)
+    real_step = kill_at_step(monkeypatch, 2)   # the second run is killed in its first steps, before any checkpoint
     with pytest.raises(KeyboardInterrupt):
         train.main(args + ["--seed=7"])
     assert {f: open(os.path.join(out, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")} == files

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from checkpoint import atomic_write, load_checkpoint, model_args, save_checkpoint
-from configurator import UserError, check_writable, device_rule, parse, resolve_device, run_cli
+from configurator import SEED_RULE, UserError, check_writable, device_rule, parse, resolve_device, run_cli
 from model import GPTConfig, LoopedLM, exit_log_pdf, exit_pdf, exit_stats, forward_ragged
 
 # ----------------------------------------------------------------------------- defaults
@@ -104,7 +104,7 @@ RULES = dict(
     cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0", max_iters=">= 1",
     weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0", warmup_iters=">= 0",
     lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0", device=device_rule,
-    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed="in [0, 4294967295]",
+    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=SEED_RULE,
 )
 MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops", "block_size",
               "rope_theta", "loop_norm", "branch_norm_init"]
