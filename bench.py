@@ -33,7 +33,8 @@ from configurator import SEED_RULE, UserError, device_rule, parse, resolve_devic
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, forward_lanes, generate
 from ragged import DenseLanes
-from serve_depthbatch import HEADS, Engine, Request, weight_bytes
+from request import Request
+from serve_depthbatch import HEADS, Engine, weight_bytes
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives

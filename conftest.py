@@ -16,7 +16,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from model import FULL, GPTConfig, LoopedLM  # noqa: E402  (after the interpreter switch)
-from serve_depthbatch import Engine, Request, prompt_thresholds  # noqa: E402
+from request import Request  # noqa: E402
+from serve_depthbatch import Engine, prompt_thresholds  # noqa: E402
 
 U = 4
 

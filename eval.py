@@ -40,7 +40,8 @@ from configurator import DTYPES, SEED_RULE, UserError, check_writable, device_ru
 from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
-from serve_depthbatch import HEADS, MODES, Engine, Request
+from request import Request
+from serve_depthbatch import HEADS, MODES, Engine
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(

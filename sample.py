@@ -33,7 +33,8 @@ from checkpoint import load_for_script
 from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import check_prompt, exit_stats
-from serve_depthbatch import HEADS, MODES, Engine, Request
+from request import Request
+from serve_depthbatch import HEADS, MODES, Engine
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(

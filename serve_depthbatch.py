@@ -3,7 +3,7 @@ The depth-queue decoder (App. A.2): inference modes, the scheduler, and the engi
 mixed-depth batching over one shared Ragged-KV page pool.
 
     engine = Engine(model, kv_pages=4000, max_batch=8)
-    done = engine.run([Request(prompt_ids, max_tokens=32, mode="dense_ragged", thr=0.5)])
+    done = engine.run([Request(prompt_ids, max_tokens=32, mode="dense_ragged", thr=0.5)])   # request.py
 
 All loop iterations share one set of weights, so tokens at different depths can go through the
 block in the same batch. A *row* is one token of one request at one depth, with its own position,
@@ -29,14 +29,15 @@ The HTTP API over this engine is server.py; its benchmark is `python bench.py --
 import math
 import sys
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from configurator import UserError
-from kernels import paged_attention, paged_chunk_attention, resolve_impl
-from model import FULL, at_least_fp32, check_prompt, exit_now
+from kernels import resolve_impl
+from model import FULL, check_prompt, exit_now
 from ragged import PagePool, PoolExhausted, RaggedSeq, memory_bytes, page_bytes
+from request import SEED_MAX, sample_token
+from rows import Group, Live, RowsView, embed_new, keep_one_depth
 
 # ----------------------------------------------------------------------------- modes (§3, Table 17)
 
@@ -58,7 +59,6 @@ SCHEDULERS = ["continuous", "nested", "fixed"]
 # to MAX_WAIT passes to share one head call, while the cost model says waiting costs less than a call.
 HEADS = ["eager", "shared"]
 MAX_WAIT = 2
-SEED_MAX = 2**64 - 1      # the largest seed torch.Generator.manual_seed takes
 
 
 def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
@@ -74,66 +74,7 @@ def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full
     return taus
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
-    """logits (V,) -> one token id. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = logits.double() / temperature
-    if top_k and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted probs whose mass reaches top_p
-        sp, si = torch.sort(probs, descending=True)
-        drop = (sp.cumsum(0) - sp) >= top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 # ----------------------------------------------------------------------------- requests
-
-@dataclass(eq=False)   # requests compare by identity (they sit in queues and lists)
-class Request:
-    """One generation: what the user asks for, then what the engine reports back."""
-    prompt: list                   # token ids
-    max_tokens: int = 16           # tokens to sample (the request ends after them, or at a stop id)
-    mode: str = "dense_ragged"     # see MODES
-    thr: float = 0.5               # this request's exit threshold τ (Eq. 4)
-    depth: int = 0                 # fixed mode: loops per token (0: U)
-    temperature: float = 0.0       # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0                  # seeds this request's sampler: reproducible whatever else is batched
-    stop: tuple = ()               # token ids that end the request (kept in tokens)
-    prefill_thr: float = None      # ETE prefill options (App. E.2)
-    prefill_schedule: str = ""
-    prefix_full: int = 0
-    keep_logits: bool = False      # keep the logits each token was sampled from (in .logits)
-    on_token: object = None        # called as on_token(request, token) by the engine thread (None: ended)
-    tag: object = None             # the caller's own label (an item index, a choice index); never read here
-    cancelled: bool = False        # set from any thread; the engine frees the pages at its next step
-    # ---- reported by the engine
-    tokens: list = field(default_factory=list)       # sampled tokens, in order
-    exits: list = field(default_factory=list)        # exit depth of every position that ran (1-based)
-    logits: list = field(default_factory=list, repr=False)
-    finish_reason: str = None      # length | stop | cancelled | error
-    error: str = None
-    kv: dict = None                # page accounting of this request at its end
-    preemptions: int = 0
-
-    @property
-    def prompt_exits(self):
-        return self.exits[:len(self.prompt)]
-
-    @property
-    def decode_exits(self):
-        return self.exits[len(self.prompt):]
-
-    @property
-    def token_exits(self):
-        """The depth that produced each sampled token (the exit of the position before it)."""
-        return self.exits[len(self.prompt) - 1:len(self.prompt) - 1 + len(self.tokens)]
-
 
 def n_run(r, U):
     """The depths a request's tokens may run: U, or its own depth in fixed mode."""
@@ -183,65 +124,6 @@ def weight_bytes(model):
     prices of the weight-read cost model (decode is weight-bound at small batch)."""
     head = model.lm_head.weight
     return sum(p.numel() * p.element_size() for p in model.layers.parameters()), head.numel() * head.element_size()
-
-
-class Live:
-    """The engine's own state of one admitted request: its page table, the rows in flight, how far
-    its positions have run, its sampler, and what preemption has cost it."""
-
-    def __init__(self, req, id):
-        self.req, self.id = req, id
-        self.seq = None                 # RaggedSeq while it holds pages
-        self.group = None               # its rows in flight (a Group), if any
-        self.done = 0                   # positions whose rows all finished
-        self.generator = torch.Generator().manual_seed(req.seed)
-        self.evals_before = 0           # block evaluations of caches freed by preemption
-        self.ending = False             # the last token is sampled; ends when its group finishes
-        self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)
-
-    def runnable(self):
-        """Positions it must run: every known token but a final sampled one (that one never runs)."""
-        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
-
-
-class Group:
-    """The rows of one request in flight: consecutive positions that started together and run
-    depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they stop."""
-
-    def __init__(self, live, start, ids, taus, full, forced, keep, n_run):
-        self.live, self.start, self.size, self.n_run = live, start, len(ids), n_run
-        self.pos = torch.arange(start, start + len(ids))   # host side: page tables
-        self.ids = ids                                      # token ids; the first step embeds all new groups at once
-        self.h = None                                       # [T, C] on the device, from the first step
-        self.survive = None                                 # Π (1 - λ) so far (Eq. 4), from the first step
-        self.tau, self.full, self.forced = taus, full, forced   # host lists, per row still running;
-        self.keep = keep                                    # forced: a replayed exit (0: decide)
-        self.exits = [0] * len(ids)                         # decided exits, by position (0: none)
-        self.d = 0                                          # the depth the rows run next (0-based)
-        self.sample_pos = None                              # whose exit samples a token
-
-
-class RowsView:
-    """The attention hook of one engine step: every row writes its fresh page for this depth in
-    every layer, then (all writes first) each row reads keys 0..its position through its own
-    request's table column at its own depth (Eq. 7 through Eq. 11). parts: (page_ids, lengths) for
-    consecutive rows; a 2-D page_ids is a kernels.paged_attention call (decode rows, one per
-    request, in one or two tables), a 1-D one a prompt chunk whose rows share their keys
-    (kernels.paged_chunk_attention)."""
-
-    def __init__(self, pool, pages, parts, impl):
-        self.pool, self.pages, self.parts, self.impl = pool, pages, parts, impl
-
-    def attend(self, layer, q, k, v):
-        pool = self.pool
-        pool.k[layer, self.pages] = k[0].transpose(0, 1)                    # [R, Hkv, D]
-        pool.v[layer, self.pages] = v[0].transpose(0, 1)
-        pool.writes += len(self.pages)
-        qs = q[0].transpose(0, 1).split([len(lengths) for _, lengths in self.parts])    # [R, Hq, D] in parts
-        ys = [paged_chunk_attention(qp, pool.k[layer], pool.v[layer], ids, lengths) if ids.dim() == 1 else
-              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl)
-              for qp, (ids, lengths) in zip(qs, self.parts)]
-        return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -349,8 +231,8 @@ class Engine:
         """One application of the block to every row: row r at position p_r and depth d_r writes
         its page and reads its request's table column d_r (RowsView). Returns the normed states, the
         gate logits and the states passed to the next depth."""
-        view = RowsView(self.pool, pages, self._attention_parts(groups), self.attn)
-        self._embed_new(groups)
+        view = RowsView(self.pool, pages, groups, self.attn, self.device)
+        embed_new(self.model, groups, self.device)
         h = torch.cat([g.h for g in groups])
         cos, sin = self.model.rope(torch.cat([g.pos for g in groups]).to(self.device), h.dtype)
         return self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
@@ -399,7 +281,7 @@ class Engine:
                 stopped, g.pos = g.pos, g.pos[:0]
             if not all(runs_on):
                 g.live.seq.stop(stopped, g.d)
-                self._keep_one_depth(g, stopped)
+                keep_one_depth(g, stopped, self.U)
             g.d += 1
 
     def _head_rows(self, groups, exited):
@@ -610,61 +492,6 @@ class Engine:
                 except PoolExhausted:
                     self._evict(self.running[-1])
         return [(g, p) for g, p in out if g.live.group is g]
-
-    # ------------------------------------------------------------------ the rows' reads and writes
-
-    def _embed_new(self, groups):
-        """The groups that start in this step (decode tokens, prompt chunks) are embedded in one call."""
-        new = [g for g in groups if g.h is None]
-        if new:
-            ids = torch.tensor([t for g in new for t in g.ids], device=self.device)
-            hs = self.model.embed_tokens(ids)
-            ones = torch.ones(len(ids), dtype=at_least_fp32(hs.dtype), device=self.device)   # nothing exited yet
-            for g, h, s in zip(new, hs.split([g.size for g in new]), ones.split([g.size for g in new])):
-                g.h, g.survive = h, s
-
-    def _attention_parts(self, groups):
-        """What each row reads: entries 0..its position of its request's table column at its depth.
-        Column d holds A_d[j] = P_{j, min(d, e_j)} (Eq. 11), so reading it is reading every earlier
-        token j at depth min(d, e_j): Eq. 7 without any per-row depth logic. The one-row groups
-        (decode tokens) go in padded [rows, maxlen] tables; each longer group (a prompt chunk) keeps
-        its one shared list, so that prompt rows are not padded to the longest decode row nor
-        gathered once per row. Flex takes every row at once."""
-        flat = groups if self.attn == "flex" else [g for g in groups if len(g.pos) == 1]
-        ends = [g.pos.tolist()[-1] + 1 for g in flat]        # keys of each group's last (longest) row
-        parts = []
-        for lo, hi in self._tables(ends):
-            pos = torch.cat([g.pos for g in flat[lo:hi]])
-            page_ids = torch.full((len(pos), max(ends[lo:hi])), -1, dtype=torch.long)
-            row = 0
-            for g, n_keys in zip(flat[lo:hi], ends[lo:hi]):
-                page_ids[row:row + len(g.pos), :n_keys] = g.live.seq.table[:n_keys, g.d]   # column d (Eq. 11)
-                row += len(g.pos)
-            parts.append((page_ids.to(self.device), (pos + 1).to(self.device)))
-        for g in groups[len(flat):]:
-            n_keys = g.pos.tolist()[-1] + 1
-            parts.append((g.live.seq.table[:n_keys, g.d].to(self.device), (g.pos + 1).to(self.device)))
-        return parts
-
-    def _tables(self, ends):
-        """[(lo, hi)]: the one-row groups of each padded table. The torch reference gathers every row
-        of a table padded to its longest; the rows come sorted by length, so the one cut that saves
-        the most keys makes two tables, short rows and long rows, when it saves at least 1/8 of them
-        (a second call costs far less). (Triton reads each row to its own length: no padding to
-        save; flex takes all rows in one call.)"""
-        n = len(ends)
-        if self.attn != "torch" or n < 2:
-            return [(0, n)] if n else []
-        keys, cut = min((i * ends[i - 1] + (n - i) * ends[-1], i) for i in range(1, n))
-        return [(0, cut), (cut, n)] if keys <= 0.875 * n * ends[-1] else [(0, n)]
-
-    def _keep_one_depth(self, g, stopped):
-        """Table 17 baselines: a finished token is read at one depth from then on."""
-        for p in stopped.tolist():
-            rule = g.keep[p - g.start]
-            if rule is not None:
-                depth = self.U - 1 if rule == "last" else g.exits[p - g.start] - 1
-                g.live.seq.collapse(torch.tensor([p]), torch.tensor([depth]))
 
     # ------------------------------------------------------------------ endings
 

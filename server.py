@@ -31,7 +31,8 @@ from configurator import DTYPES, UserError, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
-from serve_depthbatch import HEADS, SCHEDULERS, SEED_MAX, Engine, Request
+from request import SEED_MAX, Request
+from serve_depthbatch import HEADS, SCHEDULERS, Engine
 from tokenizer import IM_END, chat_ids, has_chat
 
 MAX_BODY = 16 << 20                       # bytes of one request body

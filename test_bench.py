@@ -7,7 +7,8 @@ import torch
 
 import bench
 from conftest import prompt, varied_model
-from serve_depthbatch import Engine, Request
+from request import Request
+from serve_depthbatch import Engine
 
 
 def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not():

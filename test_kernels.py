@@ -114,7 +114,8 @@ def test_auto_is_torch_on_the_cpu_and_bad_impls_are_refused():
 
 @pytest.mark.parametrize("attn", ["triton", "flex", "auto"])
 def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
-    from serve_depthbatch import Engine, Request
+    from request import Request
+    from serve_depthbatch import Engine
     from conftest import prompt, varied_model
     model = varied_model().float()
     p1, p2 = prompt(9), prompt(5)

@@ -8,7 +8,7 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "checkpoint", "tokenizer", "configurator", "server"}
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server"}
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "reproduce", "prepare_data", "export_ouro"}
 
 

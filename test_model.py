@@ -6,7 +6,7 @@ import torch
 
 from conftest import random_model
 from model import GPTConfig, LoopedLM, exit_cdf, exit_now, exit_pdf, generate, sample_exit, threshold_exit
-from serve_depthbatch import sample_token
+from request import sample_token
 
 
 def brute_pdf(lam):

@@ -15,7 +15,8 @@ from checkpoint import export_ouro, load_checkpoint
 from configurator import UserError
 from conftest import CFG, NORMS, make_tokenizer, ouro_tensors, write_folder
 from model import GPTConfig, LoopedLM, forward_ragged
-from serve_depthbatch import Engine, Request
+from request import Request
+from serve_depthbatch import Engine
 
 def reference_ouro(t, cfg, ids):
     """Ouro's forward from DESIGN.md, plain torch, float64: four RMSNorms per layer (sandwich),

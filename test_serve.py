@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
+import rows
 from configurator import UserError
 from conftest import U, alone, assert_same, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
-from serve_depthbatch import MODES, Engine, Request
+from request import Request
+from serve_depthbatch import MODES, Engine
 
 
 def random_request(rng, modes=("fixed", "ouro", "dense_ragged", "ete_ragged")):
@@ -79,7 +81,7 @@ def test_concurrent_staggered_mixed_requests_equal_each_alone(scheduler, head):
     assert e.pool.used == 0
 
 
-def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone():
+def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone(monkeypatch):
     """Decode rows of very different lengths: the torch path cuts them into two padded tables (short
     rows, long rows) and every request still produces what it produces alone."""
     model = varied_model()
@@ -89,8 +91,8 @@ def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone():
             for _ in range(4)]
     e = Engine(model, 4000, max_batch=5, attn="torch")
     tables = []
-    cut = e._tables
-    e._tables = lambda ends: tables.append(len(cut(ends))) or cut(ends)
+    cut = rows.padded_tables
+    monkeypatch.setattr(rows, "padded_tables", lambda ends, attn: tables.append(len(cut(ends, attn))) or cut(ends, attn))
     e.run(reqs)
     assert 2 in tables
     for r in reqs:

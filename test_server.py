@@ -14,7 +14,8 @@ import torch
 
 from conftest import CFG, alone, make_tokenizer, ouro_tensors, write_folder
 from prepare_data import SYNTH_CHARS
-from serve_depthbatch import Engine, Request
+from request import Request
+from serve_depthbatch import Engine
 from server import serve
 from tokenizer import char_meta, load_tokenizer
 

@@ -1,0 +1,128 @@
+"""
+The engine's rows and their paged K/V: a request's live state, its rows in flight, and how every
+row writes its page and reads its request's table column at its own depth (Eq. 7 through Eq. 11).
+
+A *row* is one token of one request at one depth. serve_depthbatch.Engine decides which rows run
+and when they stop; this file is what a row is and what one pass of the block reads and writes.
+"""
+import torch
+
+from kernels import paged_attention, paged_chunk_attention
+from model import at_least_fp32
+
+
+class Live:
+    """The engine's own state of one admitted request: its page table, the rows in flight, how far
+    its positions have run, its sampler, and what preemption has cost it."""
+
+    def __init__(self, req, id):
+        self.req, self.id = req, id
+        self.seq = None                 # RaggedSeq while it holds pages
+        self.group = None               # its rows in flight (a Group), if any
+        self.done = 0                   # positions whose rows all finished
+        self.generator = torch.Generator().manual_seed(req.seed)
+        self.evals_before = 0           # block evaluations of caches freed by preemption
+        self.ending = False             # the last token is sampled; ends when its group finishes
+        self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)
+
+    def runnable(self):
+        """Positions it must run: every known token but a final sampled one (that one never runs)."""
+        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
+
+
+class Group:
+    """The rows of one request in flight: consecutive positions that started together and run
+    depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they stop."""
+
+    def __init__(self, live, start, ids, taus, full, forced, keep, n_run):
+        self.live, self.start, self.size, self.n_run = live, start, len(ids), n_run
+        self.pos = torch.arange(start, start + len(ids))   # host side: page tables
+        self.ids = ids                                      # token ids; the first step embeds all new groups at once
+        self.h = None                                       # [T, C] on the device, from the first step
+        self.survive = None                                 # Π (1 - λ) so far (Eq. 4), from the first step
+        self.tau, self.full, self.forced = taus, full, forced   # host lists, per row still running;
+        self.keep = keep                                    # forced: a replayed exit (0: decide)
+        self.exits = [0] * len(ids)                         # decided exits, by position (0: none)
+        self.d = 0                                          # the depth the rows run next (0-based)
+        self.sample_pos = None                              # whose exit samples a token
+
+
+class RowsView:
+    """The attention hook of one engine step: every row writes its fresh page for this depth in
+    every layer, then (all writes first) each row reads keys 0..its position through its own
+    request's table column at its own depth (Eq. 7 through Eq. 11). parts: (page_ids, lengths) for
+    consecutive rows; a 2-D page_ids is a kernels.paged_attention call (decode rows, one per
+    request, in one or two tables), a 1-D one a prompt chunk whose rows share their keys
+    (kernels.paged_chunk_attention)."""
+
+    def __init__(self, pool, pages, groups, impl, device):
+        self.pool, self.pages, self.impl = pool, pages, impl
+        self.parts = attention_parts(groups, impl, device)
+
+    def attend(self, layer, q, k, v):
+        pool = self.pool
+        pool.k[layer, self.pages] = k[0].transpose(0, 1)                    # [R, Hkv, D]
+        pool.v[layer, self.pages] = v[0].transpose(0, 1)
+        pool.writes += len(self.pages)
+        qs = q[0].transpose(0, 1).split([len(lengths) for _, lengths in self.parts])    # [R, Hq, D] in parts
+        ys = [paged_chunk_attention(qp, pool.k[layer], pool.v[layer], ids, lengths) if ids.dim() == 1 else
+              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl)
+              for qp, (ids, lengths) in zip(qs, self.parts)]
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
+
+
+def attention_parts(groups, attn, device):
+    """What each row reads: entries 0..its position of its request's table column at its depth.
+    Column d holds A_d[j] = P_{j, min(d, e_j)} (Eq. 11), so reading it is reading every earlier
+    token j at depth min(d, e_j): Eq. 7 without any per-row depth logic. The one-row groups
+    (decode tokens) go in padded [rows, maxlen] tables; each longer group (a prompt chunk) keeps
+    its one shared list, so that prompt rows are not padded to the longest decode row nor
+    gathered once per row. Flex takes every row at once."""
+    flat = groups if attn == "flex" else [g for g in groups if len(g.pos) == 1]
+    ends = [g.pos.tolist()[-1] + 1 for g in flat]        # keys of each group's last (longest) row
+    parts = []
+    for lo, hi in padded_tables(ends, attn):
+        pos = torch.cat([g.pos for g in flat[lo:hi]])
+        page_ids = torch.full((len(pos), max(ends[lo:hi])), -1, dtype=torch.long)
+        row = 0
+        for g, n_keys in zip(flat[lo:hi], ends[lo:hi]):
+            page_ids[row:row + len(g.pos), :n_keys] = g.live.seq.table[:n_keys, g.d]   # column d (Eq. 11)
+            row += len(g.pos)
+        parts.append((page_ids.to(device), (pos + 1).to(device)))
+    for g in groups[len(flat):]:
+        n_keys = g.pos.tolist()[-1] + 1
+        parts.append((g.live.seq.table[:n_keys, g.d].to(device), (g.pos + 1).to(device)))
+    return parts
+
+
+def padded_tables(ends, attn):
+    """[(lo, hi)]: the one-row groups of each padded table. The torch reference gathers every row
+    of a table padded to its longest; the rows come sorted by length, so the one cut that saves
+    the most keys makes two tables, short rows and long rows, when it saves at least 1/8 of them
+    (a second call costs far less). (Triton reads each row to its own length: no padding to
+    save; flex takes all rows in one call.)"""
+    n = len(ends)
+    if attn != "torch" or n < 2:
+        return [(0, n)] if n else []
+    keys, cut = min((i * ends[i - 1] + (n - i) * ends[-1], i) for i in range(1, n))
+    return [(0, cut), (cut, n)] if keys <= 0.875 * n * ends[-1] else [(0, n)]
+
+
+def embed_new(model, groups, device):
+    """The groups that start in this step (decode tokens, prompt chunks) are embedded in one call."""
+    new = [g for g in groups if g.h is None]
+    if new:
+        ids = torch.tensor([t for g in new for t in g.ids], device=device)
+        hs = model.embed_tokens(ids)
+        ones = torch.ones(len(ids), dtype=at_least_fp32(hs.dtype), device=device)   # nothing exited yet
+        for g, h, s in zip(new, hs.split([g.size for g in new]), ones.split([g.size for g in new])):
+            g.h, g.survive = h, s
+
+
+def keep_one_depth(g, stopped, U):
+    """Table 17 baselines: a finished token is read at one depth from then on."""
+    for p in stopped.tolist():
+        rule = g.keep[p - g.start]
+        if rule is not None:
+            depth = U - 1 if rule == "last" else g.exits[p - g.start] - 1
+            g.live.seq.collapse(torch.tensor([p]), torch.tensor([depth]))
