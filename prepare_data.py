@@ -94,8 +94,10 @@ def _pointer(rng):
     """k look-ups after the query: the queried chain head=x1, x1=x2, ..., x_{k-1}=digit, its pointers
     written head first, so that each assignment names a variable defined later; one or two other
     chains of the same form; all pointers first (interleaved, each chain in its own order), then
-    every chain's digit in a random order, then the query. Which digit answers is known only once
-    the chain is followed, and the answer's position among the digits says nothing."""
+    every chain's digit in a random order, then the query `head=`, written like a fact so that the
+    answer follows it as a value follows its name (a one-look-up item is a plain copy of what
+    followed `head=` before). Which digit answers is known only once the chain is followed, and the
+    answer's position among the digits says nothing."""
     k = rng.randint(1, 4)
     lengths = [k] + [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
     names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
@@ -109,7 +111,7 @@ def _pointer(rng):
     rng.shuffle(order)
     rng.shuffle(values)
     parts = [pointers[i].pop(0) for i in order] + values
-    return [(" ".join(parts) + f" ; {head}? ", 0), (answer, k)]
+    return [(" ".join(parts) + f" ; {head}=", 0), (answer, k)]
 
 
 KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}

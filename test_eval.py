@@ -203,6 +203,7 @@ def test_builtin_pointer_items_are_graded_by_their_lookups():
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
     for it in items:
         facts, query = it["prompt"].strip("\n").split(" ; ")
+        assert query == query[0] + "="            # the query is written like a fact, its value to come
         env = dict(f.split("=") for f in facts.split())
         v, hops = query[0], 1
         while not env[v].isdigit():
