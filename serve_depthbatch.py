@@ -24,7 +24,9 @@ The LM head runs on the rows whose exit samples a token. With a real vocabulary 
 the block, so head="shared" lets exited rows wait up to MAX_WAIT passes to share one call while
 waiting is cheaper than a call; the tokens are the same either way.
 
-The HTTP API over this engine is server.py; its benchmark is `python bench.py --what=engine`.
+What a row is (its request's live state, its paged reads and writes) is rows.py; the Request that
+callers fill in and read back is request.py. The HTTP API over this engine is server.py; its
+benchmark is `python bench.py --what=engine`.
 """
 import math
 import sys
@@ -74,7 +76,7 @@ def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full
     return taus
 
 
-# ----------------------------------------------------------------------------- requests
+# ----------------------------------------------------------------------------- requests against the modes
 
 def n_run(r, U):
     """The depths a request's tokens may run: U, or its own depth in fixed mode."""
