@@ -150,10 +150,11 @@ def test_configurator_three_forms_and_files(tmp_path):
 # ----------------------------------------------------------------------------- data
 
 def resolve(line):
-    """Brute force: the value of the queried variable, and the look-ups it takes."""
+    """Brute force: the value of the queried variable, and the look-ups it takes. The query is
+    `b? 7` in a chain item, `b=7` in a pointer item."""
     left, q = line.split(" ; ")
     env = dict(p.split("=") for p in left.split())
-    var, ans = q.split("=")
+    var, ans = q.split("? ") if "?" in q else q.split("=")
     hops, v = 1, var
     while not env[v].isdigit():
         v, hops = env[v], hops + 1
