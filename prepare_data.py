@@ -15,7 +15,7 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
 In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
 it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
 steps can only start once the query is read, beside sentences and copies:
-  - pointer chasing            "g=f d=c b=a c=7 a=9 f=2 ; d? 7"
+  - pointer chasing            "g=f d=c b=a c=7 a=9 f=2 ; d=7"
     every assignment names a variable defined *later* (nothing resolves while reading), two or three
     chains interleaved, every chain's digit after all the pointers in a random order, then the query:
     answer label k = the queried chain's length, 1..4 (k look-ups after the query).
@@ -101,12 +101,10 @@ def _pointer(rng):
     k = rng.randint(1, 4)
     lengths = [k] + [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
     names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
-    pointers, values, head, answer = [], [], None, None
-    for n in lengths:
-        vs = [next(names) for _ in range(n)]                # head .. the one that holds a digit
-        pointers.append([f"{vs[i]}={vs[i + 1]}" for i in range(n - 1)])
-        values.append(f"{vs[-1]}={rng.choice('0123456789')}")
-        head, answer = (vs[0], values[-1][-1]) if head is None else (head, answer)
+    chains = [[next(names) for _ in range(n)] for n in lengths]    # head .. the one that holds a digit
+    pointers = [[f"{vs[i]}={vs[i + 1]}" for i in range(len(vs) - 1)] for vs in chains]
+    values = [f"{vs[-1]}={rng.choice('0123456789')}" for vs in chains]
+    head, answer = chains[0][0], values[0][-1]                      # the queried chain is the first
     order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
     rng.shuffle(values)
