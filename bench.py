@@ -480,15 +480,16 @@ def counted_step(e, counts):
     steady = len(e.waiting) > 0 and len(e.waiting) + len(e.running) >= e.max_batch
     out = e.step()
     if e.last_pass:
-        rows = sum(n for _, n, _ in e.last_pass)
-        dec = sum(n for _, n, decode in e.last_pass if decode)
-        counts["passes"] += 1
+        n = e.last_passes                                   # a fixed wave: n passes of the same rows
+        rows = n * sum(k for _, k, _ in e.last_pass)
+        dec = n * sum(k for _, k, decode in e.last_pass if decode)
+        counts["passes"] += n
         counts["rows"] += rows
         counts["decode_rows"] += dec
         counts["prefill_rows"] += rows - dec
         if steady:
-            counts["steady_passes"] += 1
-            counts["steady_slots"] += len(e.last_pass)   # requests that ran a depth (a prompt chunk is one wide row)
+            counts["steady_passes"] += n
+            counts["steady_slots"] += n * len(e.last_pass)   # requests that ran a depth (a prompt chunk is one wide row)
             counts["steady_decode_rows"] += dec
     return out
 

@@ -12,7 +12,8 @@ in-flight row whatever its depth (`continuous`): a row that exits (Eq. 4, each r
 own threshold τ) is sampled at once, and its request's next token joins at depth 1 on the next
 step, so every pass is useful work and passes approach the work-conserving bound Σ e_i / B.
 Baselines in the same engine: `nested` (a wave of rows stays in a nested loop until all of them
-have exited) and `fixed` (every token runs all U loops, as Ouro's code does).
+have exited) and `fixed` (waves in which every token runs all U loops back to back, as Ouro's code
+does).
 
 Memory is capacity: one PagePool holds every request's pages, a RaggedSeq per request maps
 (position, depth) to pages with aliases (Eq. 11), and admission reserves only what a prefill
@@ -37,7 +38,7 @@ import torch
 from configurator import UserError
 from kernels import resolve_impl
 from model import FULL, check_prompt, exit_now
-from ragged import PagePool, PoolExhausted, RaggedSeq, memory_bytes, page_bytes
+from ragged import PagePool, RaggedSeq, memory_bytes, page_bytes
 from request import SEED_MAX, sample_token
 from rows import Group, Live, RowsView, embed_new, keep_one_depth
 
@@ -135,8 +136,9 @@ class Engine:
     thread (server.py runs them on an engine thread); Request.cancelled may be set from anywhere.
 
     stats counts what the engine did (passes, rows, preemptions, replayed rows, the most requests
-    in flight); last_pass lists (request, rows, is decode) of the latest pass, for observers such
-    as the benchmark, which keeps its own windows."""
+    in flight); last_pass lists (request, rows, is decode) of the latest step's passes, of which
+    there were last_passes (1, or n_run in a fixed wave), for observers such as the benchmark,
+    which keeps its own windows."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="eager"):
         if scheduler not in SCHEDULERS:
@@ -158,7 +160,7 @@ class Engine:
         self.waiting, self.running, self.finished = deque(), [], []     # Live, Live, Request
         self.next_id = 0
         self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
-        self.last_pass = []
+        self.last_pass, self.last_passes = [], 0
         # the "shared" head: exited rows [(Live, normed state, passes waited)] whose token waits for a
         # head call, and the cost model that decides how long: the weight bytes a block pass and a head
         # call read (decode is weight-bound: a call costs about the same for 1 row as for 8)
@@ -197,12 +199,14 @@ class Engine:
         depth batching). Returns [(request, token)] sampled."""
         self.emitted = []
         self._drop_cancelled()
-        groups, pages = self._schedule()                  # admit, start groups, a fresh page per row
+        groups, pages = self._schedule()                  # admit, start groups, a fresh page per row and pass
         if not groups:                                     # nothing runs: the waiting rows take their head call
             self._sample([(s, h) for s, h, _ in self.pending])
             self.pending = []
             return self.emitted
-        hn, gate, h_next = self._run_block(groups, pages)  # the shared block on every row, at its own depth
+        for p in pages[:-1]:                               # a fixed wave: passes where no row can exit
+            self._run_through(groups, p)
+        hn, gate, h_next = self._run_block(groups, pages[-1])   # the shared block on every row, at its own depth
         survive, keep, to_sample = self._decide_exits(groups, gate)    # Eq. 4, each row with its τ
         self._alias_stopped(groups, keep, h_next, survive)  # Eq. 11: stopped rows alias their terminal page
         self._sample(self._head_rows(groups, [(s, hn[i]) for s, i in to_sample]))   # the LM head, and sampling
@@ -214,20 +218,24 @@ class Engine:
             self._finish(s, "cancelled")
 
     def _schedule(self):
-        """Start groups within the row budget, then give every in-flight row its page for its depth.
-        Groups come sorted: one-row groups (decode tokens) first, by position, as the padded
-        attention tables want them."""
+        """Start groups within the row budget, then give every in-flight row its page for its depth
+        (in a fixed wave, for every depth it runs). Returns the groups, sorted: one-row groups
+        (decode tokens) first, by position, as the padded attention tables want them; and the pages
+        of every pass this step runs, one tensor per pass."""
         self._start_groups()
         batch = self._allocate()
         batch.sort(key=lambda gp: (len(gp[0].pos) > 1, gp[0].pos.tolist()[-1]))
-        for g, p in batch:
-            g.live.seq.write_pages(g.pos, g.d, p)          # writes never go through an alias
+        for g, per_depth in batch:
+            for d, p in enumerate(per_depth, start=g.d):
+                g.live.seq.write_pages(g.pos, d, p)        # writes never go through an alias
         groups = [g for g, _ in batch]
-        self.last_pass = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups]
-        self.stats["passes"] += bool(groups)
-        self.stats["rows"] += sum(len(g.pos) for g in groups)
+        n_pass = len(batch[0][1]) if batch else 0
+        assert all(len(p) == n_pass for _, p in batch), "a fixed wave runs every group to the same depth"
+        self.last_pass, self.last_passes = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups], n_pass
+        self.stats["passes"] += n_pass
+        self.stats["rows"] += n_pass * sum(len(g.pos) for g in groups)
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
-        return groups, (torch.cat([p for _, p in batch]).to(self.device) if batch else None)
+        return groups, [torch.cat([p[d] for _, p in batch]).to(self.device) for d in range(n_pass)]
 
     def _run_block(self, groups, pages):
         """One application of the block to every row: row r at position p_r and depth d_r writes
@@ -238,6 +246,14 @@ class Engine:
         h = torch.cat([g.h for g in groups])
         cos, sin = self.model.rope(torch.cat([g.pos for g in groups]).to(self.device), h.dtype)
         return self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
+
+    def _run_through(self, groups, pages):
+        """A pass of a fixed wave before its last: every row runs all its depths, so nothing is
+        decided; the rows carry their state to the next depth. (Ouro's code runs the same U
+        loops per token; skipping the per-pass decisions is what lets fixed@U keep up with it.)"""
+        _, _, h_next = self._run_block(groups, pages)
+        for g, h in zip(groups, h_next.split([len(g.pos) for g in groups])):
+            g.h, g.d = h, g.d + 1
 
     def _decide_exits(self, groups, gate):
         """Eq. 4 online for every row with its request's τ, through model.exit_now (the rule of the
@@ -484,15 +500,21 @@ class Engine:
 
     def _allocate(self):
         """A page for every in-flight row at its depth, oldest request first; on exhaustion preempt
-        the most recently admitted request and try again."""
+        the most recently admitted request and try again. The `fixed` scheduler runs waves: its
+        rows take a page for every depth at once, and the step runs all their passes (Ouro's way:
+        no row can exit early, and nothing joins a wave under way). Returns [(group, [pages per
+        depth])]."""
         out = []
         for s in list(self.running):
-            while s in self.running and s.group is not None:
-                try:
-                    out.append((s.group, s.seq.alloc_depth(s.group.pos, s.group.d)))
+            g = s.group
+            if g is None:
+                continue
+            depths = range(g.d, g.n_run if self.scheduler == "fixed" else g.d + 1)
+            while s in self.running and s.group is g:      # all of a group's pages or none
+                if len(g.pos) * len(depths) <= len(self.pool.free):
+                    out.append((g, [s.seq.alloc_depth(g.pos, d) for d in depths]))
                     break
-                except PoolExhausted:
-                    self._evict(self.running[-1])
+                self._evict(self.running[-1])
         return [(g, p) for g, p in out if g.live.group is g]
 
     # ------------------------------------------------------------------ endings

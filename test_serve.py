@@ -126,13 +126,35 @@ def test_threshold_extremes_reproduce_fixed_depths():
     assert generate(model, ids, 12, "fixed", depth=U)[0] == top.tokens
 
 
-def test_fixed_scheduler_runs_every_token_all_loops():
+@pytest.mark.parametrize("head", ["eager", "shared"])
+@pytest.mark.parametrize("kv_pages", [2000, 110])
+def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
+    """The fixed scheduler runs waves: each step takes its rows through all U passes, nothing joins
+    a wave under way; with staggered arrivals and a pool that forces preemption (pages for every
+    depth taken at the wave's start), every request equals the dense lanes, token for token."""
     model = varied_model()
-    reqs = [Request(prompt(6 + i), 8, "ete_ragged", 0.3) for i in range(4)]
-    e = Engine(model, 2000, max_batch=4, scheduler="fixed")
-    e.run(reqs)
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    reqs = [Request(prompt(rng.randint(5, 9)), rng.randint(4, 9), rng.choice(["ete_ragged", "ouro", "fixed"]), 0.3,
+                    keep_logits=True) for _ in range(5)]
+    e = engine(model, kv_pages, head, max_batch=4, scheduler="fixed")
+    todo, steps = list(reqs), 0
+    while todo or e.busy():
+        for r in [r for r in todo if steps >= reqs.index(r) * 2]:
+            e.add(r)
+            todo.remove(r)
+        passes = e.stats["passes"]
+        e.step()
+        e.check()
+        assert e.stats["passes"] - passes in (0, U) and e.last_passes in (0, U)   # a whole wave, or nothing
+        steps += 1
+    assert e.pool.used == 0 and (kv_pages > 1000 or e.stats["preemptions"] > 0)
+    assert e.stats["rows"] == sum(r.kv["block_evals"] for r in reqs)
     for r in reqs:
-        assert set(r.exits) == {U} and r.tokens == generate(model, r.prompt, 8, "fixed", U)[0]
+        tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", U)
+        assert set(r.exits) == {U} and r.tokens == tokens and r.finish_reason == "length"
+        full = torch.tensor([r.prompt + r.tokens[:-1]])
+        assert torch.allclose(torch.stack(r.logits), model(full, keep_logits=True)["logits"][U - 1][0, len(r.prompt) - 1:],
+                              atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("head", ["eager", "shared"])
