@@ -58,20 +58,29 @@ def check_inputs(q, k_pages, v_pages, page_ids, lengths):
                          f"for {R} rows")
 
 
-def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None):
+def gather_plan(page_ids, lengths, device):
+    """What paged_attention_torch gathers: the flat page list, each entry past its row's length
+    replaced by page 0 (never index with what lies there), and the [R, 1, 1, maxlen] mask of the
+    valid keys, None when every row reads its whole list. The same in every layer of a pass: the
+    engine computes it once per pass."""
+    valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths.to(device)[:, None]   # [R, maxlen]
+    ids = torch.where(valid, page_ids.to(device).long(), 0).reshape(-1)
+    return ids, None if bool(valid.all()) else valid[:, None, None, :]
+
+
+def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None, plan=None):
     """The reference: gather every row's keys and values, mask what lies past its length, SDPA.
     A row's page list is its request's table column at its depth, so this reads every earlier token
-    j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11)."""
+    j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11). plan: gather_plan's, if known."""
     R, Hq, D = q.shape
     Hkv = k_pages.shape[1]
     maxlen = page_ids.shape[1]
-    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]   # [R, maxlen]
-    ids = torch.where(valid, page_ids.to(q.device).long(), 0).reshape(-1)   # never index with what lies past a length
+    ids, mask = plan or gather_plan(page_ids, lengths, q.device)
     k = k_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # [R, Hkv, maxlen, D]; index_select:
     v = v_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # 3x faster than k_pages[ids] on CPU
     if Hq != Hkv:                                                  # GQA: each K/V head serves Hq/Hkv query heads
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale)
     return y[:, :, 0]
 
 
@@ -261,12 +270,12 @@ def resolve_impl(impl, device):
     return impl
 
 
-def paged_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, impl="torch"):
+def paged_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, impl="torch", plan=None):
     check_inputs(q, k_pages, v_pages, page_ids, lengths)
     if impl == "auto":
         impl = resolve_impl(impl, q.device)
     if impl == "torch":
-        return paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale)
+        return paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale, plan)
     if impl == "triton":
         return paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale)
     if impl == "flex":

@@ -7,7 +7,7 @@ and when they stop; this file is what a row is and what one pass of the block re
 """
 import torch
 
-from kernels import paged_attention, paged_chunk_attention
+from kernels import gather_plan, paged_attention, paged_chunk_attention
 from model import at_least_fp32
 
 
@@ -58,6 +58,9 @@ class RowsView:
     def __init__(self, pool, pages, groups, impl, device):
         self.pool, self.pages, self.impl = pool, pages, impl
         self.parts = attention_parts(groups, impl, device)
+        # the torch reference's gather list and mask are the same in every layer: once per pass
+        self.plans = [gather_plan(ids, lengths, device) if impl == "torch" and ids.dim() == 2 else None
+                      for ids, lengths in self.parts]
 
     def attend(self, layer, q, k, v):
         pool = self.pool
@@ -66,8 +69,8 @@ class RowsView:
         pool.writes += len(self.pages)
         qs = q[0].transpose(0, 1).split([len(lengths) for _, lengths in self.parts])    # [R, Hq, D] in parts
         ys = [paged_chunk_attention(qp, pool.k[layer], pool.v[layer], ids, lengths) if ids.dim() == 1 else
-              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl)
-              for qp, (ids, lengths) in zip(qs, self.parts)]
+              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl, plan=plan)
+              for qp, (ids, lengths), plan in zip(qs, self.parts, self.plans)]
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
 
