@@ -15,10 +15,11 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
 In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
 it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
 steps can only start once the query is read, beside sentences and copies:
-  - pointer chasing            "g=f d=c b=a c=7 a=9 f=2 ; d=7"
-    every assignment names a variable defined *later* (nothing resolves while reading), two or three
-    chains interleaved, every chain's digit after all the pointers in a random order, then the query:
-    answer label k = the queried chain's length, 1..4 (k look-ups after the query).
+  - pointer chasing            "Gf Dc Ba C7 A9 F2 ; D7"     (D -> c -> 7: k = 2)
+    a fact is a name in capitals and its value; every pointer names a variable defined *later*
+    (nothing resolves while reading), two or three chains interleaved, every chain's digit after
+    all the pointers in a random order, then the query: answer label k = the queried chain's
+    length, 1..4 (k look-ups after the query).
   python prepare_data.py --dataset=pointer
 Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
 every token of the item span, since the work may sit anywhere in it.
@@ -36,6 +37,7 @@ from tokenizer import char_meta, gpt2_encoding, load_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
+POINTER_CHARS = SYNTH_CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"   # names in capitals where they are defined
 
 DEFAULTS = dict(
     dataset="synthetic",   # which dataset to prepare
@@ -91,25 +93,27 @@ def _digit_sum(rng):
 
 
 def _pointer(rng):
-    """k look-ups after the query: the queried chain head=x1, x1=x2, ..., x_{k-1}=digit, its pointers
-    written head first, so that each assignment names a variable defined later; one or two other
-    chains of the same form; all pointers first (interleaved, each chain in its own order), then
-    every chain's digit in a random order, then the query `head=`, written like a fact so that the
-    answer follows it as a value follows its name (a one-look-up item is a plain copy of what
-    followed `head=` before). Which digit answers is known only once the chain is followed, and the
-    answer's position among the digits says nothing."""
+    """k look-ups after the query: the queried chain head -> x1 -> ... -> digit, its pointers written
+    head first, so that each fact names a variable defined later; one or two other chains of the same
+    form; all pointers first (interleaved, each chain in its own order), then every chain's digit in a
+    random order, then the query. A fact is two characters, the name it defines in capitals and its
+    value (`Dc`: D holds c, look up C), and the query is a name in capitals, written like a fact so
+    that the answer follows it as a value follows its name: one look-up is one match of a single
+    character (a one-look-up item is a plain copy of what followed `D` before). Which digit answers
+    is known only once the chain is followed, and the answer's position among the digits says
+    nothing."""
     k = rng.randint(1, 4)
     lengths = [k] + [rng.randint(1, 3) for _ in range(rng.randint(1, 2))]
     names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
     chains = [[next(names) for _ in range(n)] for n in lengths]    # head .. the one that holds a digit
-    pointers = [[f"{vs[i]}={vs[i + 1]}" for i in range(len(vs) - 1)] for vs in chains]
-    values = [f"{vs[-1]}={rng.choice('0123456789')}" for vs in chains]
-    head, answer = chains[0][0], values[0][-1]                      # the queried chain is the first
+    pointers = [[vs[i].upper() + vs[i + 1] for i in range(len(vs) - 1)] for vs in chains]
+    values = [vs[-1].upper() + rng.choice("0123456789") for vs in chains]
+    head, answer = chains[0][0].upper(), values[0][-1]              # the queried chain is the first
     order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
     rng.shuffle(values)
     parts = [pointers[i].pop(0) for i in order] + values
-    return [(" ".join(parts) + f" ; {head}=", 0), (answer, k)]
+    return [(" ".join(parts) + f" ; {head}", 0), (answer, k)]
 
 
 KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}
@@ -157,7 +161,7 @@ def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
         text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"])
-        meta = char_meta(SYNTH_CHARS)
+        meta = char_meta(SYNTH_CHARS if c["dataset"] == "synthetic" else POINTER_CHARS)
         encode, _ = load_tokenizer(meta)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
         if c["dataset"] == "pointer":

@@ -150,11 +150,16 @@ def test_configurator_three_forms_and_files(tmp_path):
 # ----------------------------------------------------------------------------- data
 
 def resolve(line):
-    """Brute force: the value of the queried variable, and the look-ups it takes. The query is
-    `b? 7` in a chain item, `b=7` in a pointer item."""
+    """Brute force: the value of the queried variable, and the look-ups it takes. A chain item
+    reads `x=3 a=x ; a? 3`, a pointer item `Ac X3 C7 ; A7` (each name defined in capitals, its
+    value after it, a pointer's value named in small letters)."""
     left, q = line.split(" ; ")
-    env = dict(p.split("=") for p in left.split())
-    var, ans = q.split("? ") if "?" in q else q.split("=")
+    if "?" in q:
+        env = dict(p.split("=") for p in left.split())
+        var, ans = q.split("? ")
+    else:
+        env = {p[0].lower(): p[1] for p in left.split()}
+        var, ans = q[0].lower(), q[1]
     hops, v = 1, var
     while not env[v].isdigit():
         v, hops = env[v], hops + 1
@@ -175,10 +180,10 @@ def test_pointer_items_need_their_k_lookups_after_the_query():
             value, ans, k = resolve(line)
             assert value == ans and lab[-1] == k and lab[:-1].sum() == 0 and set(span.tolist()) == {k}
             facts = line.split(" ; ")[0].split()
-            defined = [f.split("=")[0] for f in facts]
+            defined = [f[0] for f in facts]
+            assert all(len(f) == 2 and f[0].isupper() for f in facts) and len(set(defined)) == len(facts), line
             for i, f in enumerate(facts):
-                rhs = f.split("=")[1]
-                assert rhs.isdigit() or rhs in defined[i + 1:], line   # a forward reference
+                assert f[1].isdigit() or f[1].upper() in defined[i + 1:], line   # a forward reference
             digits = [f[-1].isdigit() for f in facts]
             assert digits == sorted(digits) and sum(digits) >= 2, line  # pointers first, then every chain's digit
             last.append(facts[-1][-1] == ans)
@@ -441,3 +446,5 @@ def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path)
     assert np.all(span[lab > 0] == lab[lab > 0])                   # an answer lies in its own item's span
     assert set(m["span_depth_by_difficulty"]) == {"1", "2", "3", "4"}
     assert all(v is None or 1 <= v <= 4 for v in m["span_depth_by_difficulty"].values())
+    with open(os.path.join(data, "pointer", "meta.json")) as f:   # the facts' capitals are in its vocabulary
+        assert set(json.load(f)["chars"]) == set(prepare_data.POINTER_CHARS)
