@@ -33,7 +33,7 @@ from configurator import SEED_RULE, UserError, device_rule, parse, resolve_devic
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, forward_lanes, generate
 from ragged import DenseLanes
-from request import Request
+from request import Request, sample_token
 from serve_depthbatch import HEADS, Engine, weight_bytes
 
 DEFAULTS = dict(
@@ -55,6 +55,7 @@ DEFAULTS = dict(
     capacity=True,         # engine: also the capacity table (one small pool, every request at once)
     engine_thr=0.5,        # engine: the exit threshold of the ragged modes
     batches="",            # engine: batch sizes, comma-separated (default 1,4,8,32)
+    sampling="greedy,paper",  # engine, fixed batch: greedy (as eval.py) and/or the paper's sampling (as sample.py)
     requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
     rounds=1,              # engine: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
@@ -69,6 +70,8 @@ RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens="
              block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
              max_rows=">= 1", attn=IMPLS, device=device_rule, shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
              workload=["queue", "batch", "both"], head=HEADS,
+             sampling=lambda v: None if v and set(v.split(",")) <= {"greedy", "paper"} else
+             "expected greedy, paper or greedy,paper",
              batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
              else "expected comma-separated positive integers")
 
@@ -237,18 +240,25 @@ def cost(U, weights, passes, head_calls, avg_depth):
                 ideal_cost=(U * wb + wh) / (avg_depth * wb + wh))
 
 
-def ouro_way(model, prompts, n_new):
+def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
     """The baseline a user compares against: batched full-depth generation as Ouro's own code does
     it: every token runs all U loops on dense per-depth KV lanes, one LM-head call per step for the
-    whole batch, greedy. prompts: equal lengths (no padding)."""
+    whole batch. prompts: equal lengths (no padding). Sampled rows draw from generators seeded
+    0..B-1, as the engine's requests of seeds 0..B-1 do."""
     U, dev = model.config.n_loops, model.lm_head.weight.device
     cache = DenseLanes(model, U, len(prompts[0]) + n_new, batch=len(prompts))
+    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
     idx, pos, out = torch.tensor(prompts, device=dev), 0, []
     with torch.inference_mode():
         for _ in range(n_new):
             states, _ = forward_lanes(model, idx, cache, pos, U)
             pos += idx.shape[1]
-            idx = model.lm_head(states[-1]).argmax(-1)[:, None]
+            logits = model.lm_head(states[-1])
+            if temperature == 0:
+                idx = logits.argmax(-1)[:, None]
+            else:
+                idx = torch.tensor([[sample_token(lg.cpu(), temperature, 0, top_p, g)] for lg, g in zip(logits, gens)],
+                                   device=dev)
             out.append(idx[:, 0])
     return torch.stack(out, 1).tolist()
 
@@ -290,42 +300,48 @@ def queue_bench(model, c, thr, batches, bar):
     return runs
 
 
+# How the fixed batch samples: greedy (eval.py's tasks) or the paper's sampling (sample.py's defaults).
+SAMPLINGS = {"greedy": (0.0, 1.0), "paper": (1.0, 0.7)}    # (temperature, top-p)
+
+
 def batch_bench(model, c, thr, batches, bar):
     """A fixed batch of exactly B requests (sample.py --num_samples, eval.py): 32-token prompts, 64
-    new tokens each, greedy, timed from the first step to the last token; the batch ends with its
-    deepest request. Against the Ouro way (ouro_way) and fixed@U, rounds in a shuffled order."""
-    U = model.config.n_loops
+    new tokens each, greedy and/or sampled as the paper does, timed from the first step to the last
+    token; the batch ends with its deepest request. Against the Ouro way (ouro_way) and fixed@U,
+    rounds in a shuffled order."""
     n_prompt, n_new = (128, 512) if c["full"] else (32, 64)
     configs = [("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")] + [
         ("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in HEADS]
     order, runs = random.Random(c["seed"]), []
-    for B in batches:
-        g = torch.Generator().manual_seed(c["seed"] + B)
-        prompts = torch.randint(0, model.config.vocab_size, (B, n_prompt), generator=g).tolist()
-        tries = {k: [] for k in configs}
-        for _ in range(max(c["rounds"], 3)):
-            for k in order.sample(configs, len(configs)):
-                tries[k].append(batch_run(model, prompts, n_new, k, thr, c))
-                if bar is not None:
-                    bar.update(B)
-        best = {k: min(v, key=lambda r: r["seconds"]) for k, v in tries.items()}
-        lanes, fixed = best[configs[0]], best[configs[1]]
-        ref = lanes["token_lists"]
-        for k, r in best.items():
-            same = sum(a == b for x, y in zip(r.pop("token_lists"), ref) for a, b in zip(x, y))
-            r.update(workload="batch", batch=B, ratio_vs_ouro=lanes["seconds"] / r["seconds"],
-                     ratio_vs_fixed=fixed["seconds"] / r["seconds"], tokens_agree_with_ouro_way=same / (B * n_new))
-            runs.append(r)
+    for sampling in c["sampling"].split(","):
+        for B in batches:
+            g = torch.Generator().manual_seed(c["seed"] + B)
+            prompts = torch.randint(0, model.config.vocab_size, (B, n_prompt), generator=g).tolist()
+            tries = {k: [] for k in configs}
+            for _ in range(max(c["rounds"], 3)):
+                for k in order.sample(configs, len(configs)):
+                    tries[k].append(batch_run(model, prompts, n_new, k, thr, c, SAMPLINGS[sampling]))
+                    if bar is not None:
+                        bar.update(B)
+            best = {k: min(v, key=lambda r: r["seconds"]) for k, v in tries.items()}
+            lanes, fixed = best[configs[0]], best[configs[1]]
+            ref = lanes["token_lists"]
+            for k, r in best.items():
+                same = sum(a == b for x, y in zip(r.pop("token_lists"), ref) for a, b in zip(x, y))
+                r.update(workload="batch", sampling=sampling, batch=B, ratio_vs_ouro=lanes["seconds"] / r["seconds"],
+                         ratio_vs_fixed=fixed["seconds"] / r["seconds"], tokens_agree_with_ouro_way=same / (B * n_new))
+                runs.append(r)
     return runs
 
 
-def batch_run(model, prompts, n_new, config, thr, c):
+def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0)):
     scheduler, mode, head = config
     B, U = len(prompts), model.config.n_loops
+    temperature, top_p = sampling
     t0 = time.perf_counter()
     wb, wh = weights = weight_bytes(model)
     if scheduler == "ouro_way":    # every token all U loops, one head call per step: the unit of the ratios
-        tokens = ouro_way(model, prompts, n_new)
+        tokens = ouro_way(model, prompts, n_new, temperature, top_p)
         seconds = time.perf_counter() - t0
         return dict(scheduler=scheduler, mode=mode, head=head, thr=None, seconds=seconds, tok_s=B * n_new / seconds,
                     passes_total=U * n_new, head_calls=n_new, rows_per_head_call=B, avg_decode_depth=float(U),
@@ -333,7 +349,7 @@ def batch_run(model, prompts, n_new, config, thr, c):
                     token_lists=tokens)
     e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=c["max_rows"],
                scheduler=scheduler, attn=c["attn"], head=head)
-    reqs = e.run([Request(p, n_new, mode, thr) for p in prompts])
+    reqs = e.run([Request(p, n_new, mode, thr, temperature=temperature, top_p=top_p, seed=i) for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - t0
     dec = [x for r in reqs for x in r.decode_exits]
     avg = sum(dec) / len(dec)
@@ -394,16 +410,15 @@ def targets(runs):
     makespan), >= 1.3x the Ouro way in the fixed batch, fixed@U >= 1.0x the Ouro way."""
     out = []
     for r in runs:
+        cell = dict(workload=r["workload"], **({"sampling": r["sampling"]} if "sampling" in r else {}),
+                    batch=r["batch"], mode=r["mode"], head=r["head"])
         if r["scheduler"] == "continuous":
             ideal = r["ideal_cost"] if r["workload"] == "queue" else r["ideal_batch"]
-            out.append(dict(workload=r["workload"], batch=r["batch"], mode=r["mode"], head=r["head"],
-                            of_ideal=r["ratio_vs_fixed"] / ideal, met=r["ratio_vs_fixed"] >= 0.9 * ideal))
+            out.append(dict(cell, of_ideal=r["ratio_vs_fixed"] / ideal, met=r["ratio_vs_fixed"] >= 0.9 * ideal))
             if r["workload"] == "batch":
-                out.append(dict(workload="batch", batch=r["batch"], mode=r["mode"], head=r["head"],
-                                vs_ouro=r["ratio_vs_ouro"], met=r["ratio_vs_ouro"] >= 1.3))
+                out.append(dict(cell, vs_ouro=r["ratio_vs_ouro"], met=r["ratio_vs_ouro"] >= 1.3))
         elif r["scheduler"] == "fixed" and r["workload"] == "batch":
-            out.append(dict(workload="batch", batch=r["batch"], mode="fixed", head="eager", vs_ouro=r["ratio_vs_ouro"],
-                            met=r["ratio_vs_ouro"] >= 1.0))
+            out.append(dict(cell, vs_ouro=r["ratio_vs_ouro"], met=r["ratio_vs_ouro"] >= 1.0))
     return [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in t.items()} for t in out]
 
 
@@ -430,17 +445,19 @@ def print_bench(runs, capacity, pages, U):
     batch = [r for r in runs if r["workload"] == "batch"]
     if batch:
         print("fixed-batch workload (exactly B requests, the batch ends with its deepest):", file=err)
-        print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}{'x fixed':>8}{'ideal':>7}"
+        print(f"{'sampling':<9}{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}{'x fixed':>8}{'ideal':>7}"
               f"{'Ē dec':>7}{'passes':>8}{'makespan':>9}{'head calls':>11}{'rows/call':>10}{'GB read':>9}{'agree':>7}",
               file=err)
         for r in batch:
-            print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
+            print(f"{r['sampling']:<9}{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
                   f"{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}{r['avg_decode_depth']:>7.2f}"
                   f"{r['passes_total']:>8}{r['makespan_bound']:>9}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
                   f"{r['weight_gb']:>9.2f}{r['tokens_agree_with_ouro_way']:>7.2f}", file=err)
         print("x ouro: against batched full-depth dense lanes (Ouro's way); ideal: x fixed by the cost model for a "
               "batch that ends with its deepest request (makespan = that request's passes); agree: share of tokens "
-              "equal to the Ouro way's (greedy; ragged modes differ by design)", file=err)
+              "equal to the Ouro way's (fixed@U: all of them, sampled too, each request with its own seed; ragged modes "
+              "differ by design); sampling: greedy (eval.py) or the paper's, temperature 1 and top-p 0.7 (sample.py)",
+              file=err)
     if capacity:
         print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
               "request submitted at once, whole run", file=err)

@@ -33,17 +33,19 @@ def test_bench_prints_a_consistent_json_line(capsys):
     """A small engine bench (batch 2, both workloads, two rounds): the last stdout line is strict JSON
     with every field; pages are Σ e_i, no scheduler beats the work-conserving bound, continuous meets
     it, fixed is the unit of the ratios, each round is compared with its own fixed engine, the
-    weight-read cost model adds up, fixed@U gives the Ouro way's tokens, the shared head needs no more
+    weight-read cost model adds up, fixed@U gives the Ouro way's tokens (greedy, and sampled with each
+    request's own seed), the shared head needs no more
     head calls than the eager one, the capacity runs stay in their pool."""
     bench.main(["--what=engine", "--shape=small_vocab", "--batches=2", "--requests=4", "--rounds=2"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     json.dumps(out, allow_nan=False)
     U = out["model"]["n_loops"]
     queue = {(r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "queue"}
-    batch = {(r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "batch"}
+    batch = {(r["sampling"], r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "batch"}
     ragged = {("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in ("eager", "shared")}
     assert set(queue) == {("fixed", "fixed", "eager")} | ragged | {("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")}
-    assert set(batch) == {("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")} | ragged
+    assert set(batch) == {(s,) + k for s in ("greedy", "paper")
+                          for k in {("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")} | ragged}
     for r in queue.values():
         for key in ("thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound", "avg_decode_depth", "ideal_ratio",
                     "ideal_cost", "head_calls", "rows_per_head_call", "weight_gb", "kv_physical", "kv_dense",
@@ -61,13 +63,16 @@ def test_bench_prints_a_consistent_json_line(capsys):
     for mode in ("dense_ragged", "ete_ragged"):
         for head in ("eager", "shared"):
             assert queue["continuous", mode, head]["passes"] <= 1.05 * queue["continuous", mode, head]["lower_bound"]
-        assert batch["continuous", mode, "shared"]["head_calls"] <= batch["continuous", mode, "eager"]["head_calls"]
-    lanes, fixed = batch["ouro_way", "fixed", "-"], batch["fixed", "fixed", "eager"]
-    assert lanes["ratio_vs_ouro"] == 1 and fixed["tokens_agree_with_ouro_way"] == 1
-    assert fixed["passes_total"] == lanes["passes_total"] == fixed["makespan_bound"] and fixed["ideal_batch"] == 1
+    for s in ("greedy", "paper"):
+        for mode in ("dense_ragged", "ete_ragged"):
+            assert batch[s, "continuous", mode, "shared"]["head_calls"] <= batch[s, "continuous", mode, "eager"]["head_calls"]
+        lanes, fixed = batch[s, "ouro_way", "fixed", "-"], batch[s, "fixed", "fixed", "eager"]
+        assert lanes["ratio_vs_ouro"] == 1 and fixed["tokens_agree_with_ouro_way"] == 1
+        assert fixed["passes_total"] == lanes["passes_total"] == fixed["makespan_bound"] and fixed["ideal_batch"] == 1
     for r in batch.values():
         assert r["makespan_bound"] <= r["passes_total"] and r["batch"] == 2
     assert {(t["workload"], t["mode"]) for t in out["targets"]} >= {("queue", "dense_ragged"), ("batch", "fixed")}
+    assert {t["sampling"] for t in out["targets"] if t["workload"] == "batch"} == {"greedy", "paper"}
     cap = out["capacity"]
     assert all(r["peak_pages"] <= cap["kv_pages"] for r in cap["runs"])
 
