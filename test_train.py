@@ -192,6 +192,9 @@ def test_pointer_items_need_their_k_lookups_after_the_query():
             assert lab.sum() == 0 and span.sum() == 0
         pos += len(line) + 1
     assert seen == {1, 2, 3, 4} and 0.2 < sum(last) / len(last) < 0.8
+    text, labels, _ = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", hops=2)   # chains of 1..2
+    hops = [resolve(line)[2] for line in text.split("\n") if " ; " in line]
+    assert set(hops) == {1, 2} == set(labels.tolist()) - {0}
 
 
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
