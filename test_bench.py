@@ -2,10 +2,13 @@
 its JSON line, and the level turns that keep its timing fair. (Timings are never asserted.)"""
 import json
 import random
+import sys
 
+import pytest
 import torch
 
 import bench
+from configurator import UserError
 from conftest import prompt, varied_model
 from request import Request
 from serve_depthbatch import Engine
@@ -111,3 +114,22 @@ def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch
     records = bench.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
     assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
     assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)
+
+
+def test_ouro_code_row_refuses_what_it_cannot_run(tmp_path, monkeypatch):
+    """--ouro_code: a clear error (nothing run) for a path that is not modeling_ouro.py, for one
+    without configuration_ouro.py beside it, without transformers, and with the queue workload."""
+    code = tmp_path / "modeling_ouro.py"
+    code.write_text("")
+    base = ["--what=engine", "--shape=small_vocab", "--batches=2", "--capacity=False", "--workload=batch"]
+    cases = [(tmp_path / "other.py", "expected the path of Ouro's modeling_ouro.py"),
+             (code, "configuration_ouro.py must lie beside it")]
+    for path, message in cases:
+        with pytest.raises(UserError, match=message):
+            bench.main(base + [f"--ouro_code={path}"])
+    (tmp_path / "configuration_ouro.py").write_text("")
+    monkeypatch.setitem(sys.modules, "transformers", None)          # not installed: import fails
+    with pytest.raises(UserError, match="needs the optional transformers package"):
+        bench.main(base + [f"--ouro_code={code}"])
+    with pytest.raises(UserError, match="a row of the fixed batch"):
+        bench.main(base[:-1] + ["--workload=queue", f"--ouro_code={code}"])
