@@ -231,7 +231,8 @@ class Engine:
         groups = [g for g, _ in batch]
         n_pass = len(batch[0][1]) if batch else 0
         assert all(len(p) == n_pass for _, p in batch), "a fixed wave runs every group to the same depth"
-        self.last_pass, self.last_passes = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups], n_pass
+        self.last_pass = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups]
+        self.last_passes = n_pass
         self.stats["passes"] += n_pass
         self.stats["rows"] += n_pass * sum(len(g.pos) for g in groups)
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
@@ -309,7 +310,7 @@ class Engine:
         saves. What a wait costs: while requests queue, each waiting row idles its slot of the batch
         (about w_block / max_batch a pass, against w_head for a call); with no queue, nothing, except
         for the request with the most work left, which sets when the batch ends: its row never waits."""
-        if self.head == "eager":
+        if self.head == "eager" or self.scheduler == "fixed":   # a fixed wave's rows all exit on its last pass
             return exited
         self.pending = [(s, h, waited + 1) for s, h, waited in self.pending] + [(s, h, 0) for s, h in exited]
         if not self.pending:
