@@ -24,8 +24,10 @@ step; counterfactual and REINFORCE cost more.
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -281,9 +283,6 @@ def ouro_code_model(model, path):
     """The same weights under the public Ouro modeling code (transformers 4.54/4.55): `model` written
     as an Ouro folder (checkpoint.export_ouro, fp32) beside copies of modeling_ouro.py and
     configuration_ouro.py, opened with AutoModelForCausalLM. For the `--ouro_code` row only."""
-    import json
-    import shutil
-    import tempfile
     code = os.path.dirname(os.path.abspath(path))
     if os.path.basename(path) != "modeling_ouro.py" or not os.path.isfile(path):
         raise UserError(f"--ouro_code={path!r}: expected the path of Ouro's modeling_ouro.py")
