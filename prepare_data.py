@@ -20,7 +20,7 @@ steps can only start once the query is read, beside sentences and copies:
     (nothing resolves while reading), two or three chains interleaved, every chain's digit after
     all the pointers in a random order, then the query: answer label k = the queried chain's
     length, 1..4 (k look-ups after the query).
-  python prepare_data.py --dataset=pointer [--hops=2 --name=pointer2]    # k in 1..hops
+  python prepare_data.py --dataset=pointer [--max_k=2 --name=pointer2]    # k in 1..max_k
 Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
 every token of the item span, since the work may sit anywhere in it.
 """
@@ -50,11 +50,11 @@ DEFAULTS = dict(
     tokenizer="char",      # text: characters, or GPT-2 BPE
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
-    hops=4,                # pointer: the longest queried chain (difficulty k in 1..hops)
+    max_k=4,               # synthetic, pointer: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
 )
 RULES = dict(dataset=["synthetic", "pointer", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
-             hops="in [1, 4]",
+             max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
 
@@ -68,19 +68,21 @@ WORDS = dict(
 )
 
 
-def _sentence(rng):
+# Every maker takes (rng, max_k): the items of difficulty k in 1..max_k (unlabelled ones ignore it).
+
+def _sentence(rng, max_k=4):
     w = {k: rng.choice(v) for k, v in WORDS.items()}
     return [(f"{w['det']} {w['adj']} {w['noun']} {w['verb']} the {rng.choice(WORDS['noun'])}.", 0)]
 
 
-def _copy(rng):
+def _copy(rng, max_k=4):
     span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
     return [(f"copy {span} : {span}.", 0)]
 
 
-def _chain(rng):
+def _chain(rng, max_k=4):
     """k hops: the answer needs k look-ups. One distractor assignment is mixed in."""
-    k = rng.randint(1, 4)
+    k = rng.randint(1, max_k)
     names = rng.sample("abcdefghijklmnopqrstuvwxyz", k + 1)
     value, other = rng.sample("0123456789", 2)
     parts = [f"{names[0]}={value}"] + [f"{names[i]}={names[i - 1]}" for i in range(1, k)]
@@ -88,13 +90,13 @@ def _chain(rng):
     return [(" ".join(parts) + f" ; {names[k - 1]}? ", 0), (value, k)]
 
 
-def _digit_sum(rng):
-    n = rng.randint(1, 4)
+def _digit_sum(rng, max_k=4):
+    n = rng.randint(1, max_k)
     terms = [rng.randint(0, 9) for _ in range(n)]
     return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
 
 
-def _pointer(rng, hops=4):
+def _pointer(rng, max_k=4):
     """k look-ups after the query: the queried chain head -> x1 -> ... -> digit, its pointers written
     head first, so that each fact names a variable defined later; one or two other chains of the same
     form; all pointers first (interleaved, each chain in its own order), then every chain's digit in a
@@ -103,9 +105,9 @@ def _pointer(rng, hops=4):
     that the answer follows it as a value follows its name: one look-up is one match of a single
     character (a one-look-up item is a plain copy of what followed `D` before). Which digit answers
     is known only once the chain is followed, and the answer's position among the digits says
-    nothing. hops: the longest queried chain (k in 1..hops)."""
-    k = rng.randint(1, hops)
-    lengths = [k] + [rng.randint(1, min(3, hops)) for _ in range(rng.randint(1, 2))]
+    nothing."""
+    k = rng.randint(1, max_k)
+    lengths = [k] + [rng.randint(1, min(3, max_k)) for _ in range(rng.randint(1, 2))]
     names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
     chains = [[next(names) for _ in range(n)] for n in lengths]    # head .. the one that holds a digit
     pointers = [[vs[i].upper() + vs[i + 1] for i in range(len(vs) - 1)] for vs in chains]
@@ -121,15 +123,13 @@ def _pointer(rng, hops=4):
 KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}
 
 
-def synthetic_text(n_chars, seed, kinds="synthetic", hops=4):
+def synthetic_text(n_chars, seed, kinds="synthetic", max_k=4):
     """Deterministic text of the makers of KINDS[kinds], with two per-character labels: the answer
-    token's difficulty (0 = unlabelled), and the item's difficulty over its whole span. hops: the
-    pointer items' longest chain."""
+    token's difficulty (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span."""
     rng = random.Random(seed)
     text, labels, spans, total = [], [], [], 0
     while total < n_chars:
-        maker = rng.choice(KINDS[kinds])
-        item = maker(rng, hops) if maker is _pointer else maker(rng)
+        item = rng.choice(KINDS[kinds])(rng, max_k)
         span = max(label for _, label in item)
         for piece, label in item + [("\n", 0)]:
             text.append(piece)
@@ -164,7 +164,7 @@ def write_split(out, ids, val_fraction, labels=None, meta=None, spans=None):
 def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
-        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["hops"])
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"])
         meta = char_meta(SYNTH_CHARS if c["dataset"] == "synthetic" else POINTER_CHARS)
         encode, _ = load_tokenizer(meta)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"

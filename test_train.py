@@ -192,7 +192,7 @@ def test_pointer_items_need_their_k_lookups_after_the_query():
             assert lab.sum() == 0 and span.sum() == 0
         pos += len(line) + 1
     assert seen == {1, 2, 3, 4} and 0.2 < sum(last) / len(last) < 0.8
-    text, labels, _ = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", hops=2)   # chains of 1..2
+    text, labels, _ = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", max_k=2)   # chains of 1..2
     hops = [resolve(line)[2] for line in text.split("\n") if " ; " in line]
     assert set(hops) == {1, 2} == set(labels.tolist()) - {0}
 
@@ -223,6 +223,7 @@ def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
                 assert a == b
         pos += len(line) + 1
     assert {("chain", k) for k in range(1, 5)} <= seen and {("sum", k) for k in range(1, 5)} <= seen
+    assert set(prepare_data.synthetic_text(5000, seed=3, max_k=2)[1].tolist()) == {0, 1, 2}   # chains, sums of 1..2
     out = prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=str(tmp_path), size=20000, seed=3))
     val = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16)
     lab = np.fromfile(os.path.join(out, "val_labels.bin"), dtype=np.uint8)
