@@ -395,18 +395,19 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
                 avg_depth={"prefill": d, "decode": None, "overall": d}), records
 
 
-def generation_engine(model, c):
+def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
-    unless --kv_pages says otherwise, with --attn and --head."""
+    unless --kv_pages says otherwise, with --attn and --head; fixed-depth runs go in waves (every
+    token all its loops at once, no exit decisions: the fixed scheduler)."""
     return Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
-                  head=c["head"])
+                  head=c["head"], scheduler="fixed" if mode == "fixed" else "continuous")
 
 
 def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     """n rollouts per item through the engine; stop text cuts a rollout (and frees its pages)."""
     mode, thr, depth = spec
     U = model.config.n_loops
-    engine = generation_engine(model, c)
+    engine = generation_engine(model, c, mode)
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
     eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
     reqs = []
@@ -515,7 +516,7 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
             for r in requests:
                 ctx, kw = r.args
                 items.append((encode(ctx), kw.get("until") or [], int(kw.get("max_gen_toks", c["max_tokens"]))))
-            engine = generation_engine(model, c)
+            engine = generation_engine(model, c, mode)
             reqs = []
             for ids, until, cap in items:
                 ids = ids[-(model.config.block_size - 1):]

@@ -177,7 +177,8 @@ def main(argv):
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
     try:
-        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"], head=c["head"])
+        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"], head=c["head"],
+                        scheduler="fixed" if mode == "fixed" else "continuous")    # fixed: waves, as Ouro runs
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

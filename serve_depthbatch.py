@@ -13,7 +13,7 @@ own threshold τ) is sampled at once, and its request's next token joins at dept
 step, so every pass is useful work and passes approach the work-conserving bound Σ e_i / B.
 Baselines in the same engine: `nested` (a wave of rows stays in a nested loop until all of them
 have exited) and `fixed` (waves in which every token runs all U loops back to back, as Ouro's code
-does).
+does; a request of mode fixed keeps its own depth, and sample.py and eval.py run that mode so).
 
 Memory is capacity: one PagePool holds every request's pages, a RaggedSeq per request maps
 (position, depth) to pages with aliases (Eq. 11), and admission reserves only what a prefill
@@ -170,8 +170,9 @@ class Engine:
     def add(self, r):
         """Queue a request after checking it. Raises UserError (nothing queued) if it is malformed
         or could never fit in the whole pool."""
-        if self.scheduler == "fixed" and r.mode in MODES:   # the Ouro baseline: all U loops
-            r.mode, r.depth, r.prefill_thr, r.prefill_schedule, r.prefix_full = "fixed", self.U, None, "", 0
+        if self.scheduler == "fixed" and r.mode in MODES:   # the Ouro baseline: every token all its loops
+            depth = (r.depth if r.mode == "fixed" else 0) or self.U      # a fixed request keeps its depth
+            r.mode, r.depth, r.prefill_thr, r.prefill_schedule, r.prefix_full = "fixed", depth, None, "", 0
         self.check_request(r)
         self.waiting.append(Live(r, self.next_id))
         self.next_id += 1
@@ -430,15 +431,17 @@ class Engine:
 
     def _start_groups(self):
         """Give every running request without rows its next group, and admit waiting requests,
-        within the row budget and the free pages. `nested` starts groups only between waves."""
+        within the row budget and the free pages. `nested` starts groups only between waves; a
+        `fixed` wave holds requests of one depth, that of the oldest request that starts a group."""
         in_flight = [s for s in self.running if s.group is not None]
         if self.scheduler == "nested" and in_flight:
             return
         rows = sum(len(s.group.pos) for s in in_flight)
         free = len(self.pool.free) - rows                   # every in-flight row takes a page this step
-        started = False
+        started, wave = False, None
+        joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
         for s in list(self.running):
-            if s.group is None:
+            if s.group is None and joins(s):
                 end = self._group_end(s, self.max_rows - rows)
                 if end is not None and end - s.done > 1:    # one decode row always starts (allocation preempts)
                     end = self._fit(s, end, free)
@@ -447,8 +450,8 @@ class Engine:
                 s.group = self._new_group(s, end)
                 rows += end - s.done
                 free -= (end - s.done) * n_run(s.req, self.U)
-                started = True
-        while self.waiting and len(self.running) < self.max_batch:
+                started, wave = True, n_run(s.req, self.U)
+        while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
             s = self.waiting[0]
             end = self._group_end(s, self.max_rows - rows)
             if end is None:
@@ -464,7 +467,7 @@ class Engine:
             s.group = self._new_group(s, end)
             rows += end - s.done
             free -= (end - s.done) * n_run(s.req, self.U)
-            started = True
+            started, wave = True, n_run(s.req, self.U)
         if not started and not in_flight and self.running and not self.pending:
             # Nothing can start: the pages are held by requests that need more. Free the newest.
             self._evict(self.running[-1])

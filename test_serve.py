@@ -129,13 +129,16 @@ def test_threshold_extremes_reproduce_fixed_depths():
 @pytest.mark.parametrize("head", ["eager", "shared"])
 @pytest.mark.parametrize("kv_pages", [2000, 110])
 def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
-    """The fixed scheduler runs waves: each step takes its rows through all U passes, nothing joins
-    a wave under way; with staggered arrivals and a pool that forces preemption (pages for every
-    depth taken at the wave's start), every request equals the dense lanes, token for token."""
+    """The fixed scheduler runs waves: each step takes its rows through all their passes (U, or a
+    fixed request's own depth; one depth per wave), nothing joins a wave under way; with staggered
+    arrivals and a pool that forces preemption (pages for every depth taken at the wave's start),
+    every request equals the dense lanes at its depth, token for token."""
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
-    reqs = [Request(prompt(rng.randint(5, 9)), rng.randint(4, 9), rng.choice(["ete_ragged", "ouro", "fixed"]), 0.3,
-                    keep_logits=True) for _ in range(5)]
+    modes = ["ete_ragged", "ouro", "fixed", "fixed", "fixed"]
+    reqs = [Request(prompt(rng.randint(5, 9)), rng.randint(4, 9), rng.choice(modes), 0.3, depth=rng.randint(0, U),
+                    keep_logits=True) for _ in range(6)]
+    depth = [(r.depth if r.mode == "fixed" else 0) or U for r in reqs]
     e = engine(model, kv_pages, head, max_batch=4, scheduler="fixed")
     todo, steps = list(reqs), 0
     while todo or e.busy():
@@ -145,15 +148,16 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
         passes = e.stats["passes"]
         e.step()
         e.check()
-        assert e.stats["passes"] - passes in (0, U) and e.last_passes in (0, U)   # a whole wave, or nothing
+        assert e.stats["passes"] - passes == e.last_passes                 # a whole wave, or nothing,
+        assert {depth[reqs.index(r)] for r, _, _ in e.last_pass} <= {e.last_passes}   # of one depth
         steps += 1
     assert e.pool.used == 0 and (kv_pages > 1000 or e.stats["preemptions"] > 0)
     assert e.stats["rows"] == sum(r.kv["block_evals"] for r in reqs)
-    for r in reqs:
-        tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", U)
-        assert set(r.exits) == {U} and r.tokens == tokens and r.finish_reason == "length"
+    for r, d in zip(reqs, depth):
+        tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", d)
+        assert set(r.exits) == {d} and r.tokens == tokens and r.finish_reason == "length"
         full = torch.tensor([r.prompt + r.tokens[:-1]])
-        assert torch.allclose(torch.stack(r.logits), model(full, keep_logits=True)["logits"][U - 1][0, len(r.prompt) - 1:],
+        assert torch.allclose(torch.stack(r.logits), model(full, keep_logits=True)["logits"][d - 1][0, len(r.prompt) - 1:],
                               atol=1e-10, rtol=0)
 
 
