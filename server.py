@@ -390,7 +390,7 @@ DEFAULTS = dict(
     kv_memory=0.0,         # KV pool size in GiB (0 with --kv_pages 0: max_batch full contexts at depth U, at most 2 GiB)
     max_batch=32,          # most requests in flight at once
     max_rows=256,          # rows per pass that prefill chunks may fill next to the decode rows
-    scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), every token all its loops at once (fixed: the Ouro baseline)
+    scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all loops at once (fixed)
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
     device="cpu",          # where to run (auto: CUDA when there is one)
