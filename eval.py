@@ -167,7 +167,9 @@ def builtin_items(kind, per_level, seed):
     items, count = [], {}
     while len(items) < 4 * len(makers) * per_level:
         maker = rng.choice(makers)
-        (prompt, _), (answer, level) = maker(rng)
+        item = maker(rng)
+        first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
+        prompt, (answer, level) = "".join(piece for piece, _ in item[:first]), item[first]
         key = (maker.__name__, level)
         if count.get(key, 0) >= per_level:
             continue

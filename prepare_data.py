@@ -13,13 +13,17 @@ per-token difficulty label (0 = unlabelled, k = difficulty) beside val.bin as va
   - k-hop variable chains      "x=3 a=5 b=a c=b ; c? 5"    (answer label k = hops, 1..4)
   - digit sums mod 10          "sum 3+4+8=5"               (answer label = number of terms, 1..4)
 In those two the k steps can be taken while reading, one per position (`b=a` can be resolved where
-it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items where the k
-steps can only start once the query is read, beside sentences and copies:
-  - pointer chasing            "Gf Dc Ba C7 A9 F2 ; D7"     (D -> c -> 7: k = 2)
-    a fact is a name in capitals and its value; every pointer names a variable defined *later*
-    (nothing resolves while reading), two or three chains interleaved, every chain's digit after
-    all the pointers in a random order, then the query: answer label k = the queried chain's
-    length, 1..4 (k look-ups after the query).
+it is read), so the answer is a one-step read-out whatever k is. `pointer` holds items whose k
+steps cannot be taken one per position as the facts arrive, beside sentences and copies:
+  - pointer chasing            "Dc Ab Cf By F7 Y2 ... ; D7 A2"   (D -> c -> 7: k = 2)
+    a fact is a name in capitals and its value; four chains of one length k, their pointers first,
+    each naming a variable defined *later*, then every chain's digit in a random order, then two
+    queries of different chains: answer label k, the look-ups from the queried head to its digit.
+    Where a causal model could do the work: from the head, only after the query (k look-ups in a
+    row); or traced back while reading, every chain (the query is not known yet), each fact finding
+    the one that points at it (about log2 k + 1 in a row by pointer jumping), then one look-up after
+    the query. Either way the work grows with k, and it may sit before the answer: the span is
+    labelled too.
   python prepare_data.py --dataset=pointer [--max_k=2 --name=pointer2]    # k in 1..max_k
 Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
 every token of the item span, since the work may sit anywhere in it.
@@ -97,27 +101,29 @@ def _digit_sum(rng, max_k=4):
 
 
 def _pointer(rng, max_k=4):
-    """k look-ups after the query: the queried chain head -> x1 -> ... -> digit, its pointers written
-    head first, so that each fact names a variable defined later; one or two other chains of the same
-    form; all pointers first (interleaved, each chain in its own order), then every chain's digit in a
-    random order, then the query. A fact is two characters, the name it defines in capitals and its
-    value (`Dc`: D holds c, look up C), and the query is a name in capitals, written like a fact so
-    that the answer follows it as a value follows its name: one look-up is one match of a single
-    character (a one-look-up item is a plain copy of what followed `D` before). Which digit answers
-    is known only once the chain is followed, and the answer's position among the digits says
-    nothing."""
-    k = rng.randint(1, max_k)
-    lengths = [k] + [rng.randint(1, min(3, max_k)) for _ in range(rng.randint(1, 2))]
-    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", sum(lengths)))
-    chains = [[next(names) for _ in range(n)] for n in lengths]    # head .. the one that holds a digit
-    pointers = [[vs[i].upper() + vs[i + 1] for i in range(len(vs) - 1)] for vs in chains]
-    values = [vs[-1].upper() + rng.choice("0123456789") for vs in chains]
-    head, answer = chains[0][0].upper(), values[0][-1]              # the queried chain is the first
+    """k look-ups after the query. Four chains of the same length k (head -> x1 -> ... -> a digit),
+    written as facts of two characters, the name a fact defines in capitals and its value (`Dc`: D
+    holds c, look up C): all the pointers first, the chains interleaved, each head first (so that
+    every fact names a variable defined later), then every chain's digit in a random order, then
+    two queries of different chains, each a name in capitals written like a fact, its value to come
+    (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
+    query is a copy of what followed its name before). The chains have one length so that nothing
+    but following the queried one tells its digit from the others' (with chains of several lengths,
+    the digit of the only long chain is the one a pointer leads to), and the answer's place among
+    the digits says nothing."""
+    k, n = rng.randint(1, max_k), 4
+    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", n * k))
+    chains = [[next(names) for _ in range(k)] for _ in range(n)]        # head .. the one that holds a digit
+    pointers = [[vs[i].upper() + vs[i + 1] for i in range(k - 1)] for vs in chains]
+    digits = [rng.choice("0123456789") for _ in chains]
+    values = [vs[-1].upper() + d for vs, d in zip(chains, digits)]
     order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
     rng.shuffle(values)
-    parts = [pointers[i].pop(0) for i in order] + values
-    return [(" ".join(parts) + f" ; {head}", 0), (answer, k)]
+    item = [(" ".join([pointers[i].pop(0) for i in order] + values) + " ;", 0)]
+    for i in rng.sample(range(n), 2):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], k)]
+    return item
 
 
 KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}

@@ -203,7 +203,7 @@ def test_builtin_pointer_items_are_graded_by_their_lookups():
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
     for it in items:
         facts, query = it["prompt"].strip("\n").split(" ; ")
-        assert len(query) == 1 and query.isupper()   # the query is written like a fact, its value to come
+        assert len(query) == 1 and query.isupper()   # the first query, written like a fact, its value to come
         env = {f[0]: f[1] for f in facts.split()}
         v, hops = query, 1
         while not env[v].isdigit():

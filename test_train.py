@@ -150,51 +150,65 @@ def test_configurator_three_forms_and_files(tmp_path):
 # ----------------------------------------------------------------------------- data
 
 def resolve(line):
-    """Brute force: the value of the queried variable, and the look-ups it takes. A chain item
-    reads `x=3 a=x ; a? 3`, a pointer item `Ac X3 C7 ; A7` (each name defined in capitals, its
-    value after it, a pointer's value named in small letters)."""
+    """Brute force: the value of the queried variable, and the look-ups it takes, of a chain item
+    `x=3 a=x ; a? 3`."""
     left, q = line.split(" ; ")
-    if "?" in q:
-        env = dict(p.split("=") for p in left.split())
-        var, ans = q.split("? ")
-    else:
-        env = {p[0].lower(): p[1] for p in left.split()}
-        var, ans = q[0].lower(), q[1]
+    env = dict(p.split("=") for p in left.split())
+    var, ans = q.split("? ")
     hops, v = 1, var
     while not env[v].isdigit():
         v, hops = env[v], hops + 1
     return env[v], ans, hops
 
 
+def chase(facts, name):
+    """Brute force: the digit a pointer item's chain from `name` ends at, and the look-ups it takes
+    (facts `Dc C7`: each name defined in capitals, its value after it, a pointer's in small letters)."""
+    env = {f[0]: f[1] for f in facts}
+    hops, v = 1, name
+    while not env[v].isdigit():
+        v, hops = env[v].upper(), hops + 1
+    return env[v], hops
+
+
 def test_pointer_items_need_their_k_lookups_after_the_query():
-    """Every pointer item: each assignment names a variable defined later or a digit (nothing
-    resolves while reading), every digit comes after every pointer, the answer is what brute force
-    finds, its label is the number of look-ups, and the item span carries the same label; the
-    answer's digit is not always the last one (its position gives nothing away)."""
+    """Every pointer item: four chains of one length k, each fact naming a variable defined later or
+    a digit (nothing resolves as it is read), every digit after every pointer; two queries of
+    different heads (names no fact points at), each answered by what brute force finds in k
+    look-ups and labelled k, the whole span labelled k; the answer's place among the digits gives
+    nothing away."""
     text, labels, spans = prepare_data.synthetic_text(30000, seed=5, kinds="pointer")
     assert text == prepare_data.synthetic_text(30000, seed=5, kinds="pointer")[0] and len(text) == len(spans)
     pos, seen, last = 0, set(), []
     for line in text.split("\n")[:-1]:
         lab, span = labels[pos:pos + len(line)], spans[pos:pos + len(line)]
         if " ; " in line:
-            value, ans, k = resolve(line)
-            assert value == ans and lab[-1] == k and lab[:-1].sum() == 0 and set(span.tolist()) == {k}
-            facts = line.split(" ; ")[0].split()
+            left, right = line.split(" ; ")
+            facts, queries = left.split(), right.split()
             defined = [f[0] for f in facts]
             assert all(len(f) == 2 and f[0].isupper() for f in facts) and len(set(defined)) == len(facts), line
             for i, f in enumerate(facts):
                 assert f[1].isdigit() or f[1].upper() in defined[i + 1:], line   # a forward reference
             digits = [f[-1].isdigit() for f in facts]
-            assert digits == sorted(digits) and sum(digits) >= 2, line  # pointers first, then every chain's digit
-            last.append(facts[-1][-1] == ans)
+            assert digits == sorted(digits) and sum(digits) == 4, line          # pointers first, then 4 digits
+            heads = set(defined) - {f[1].upper() for f in facts}
+            ks = {chase(facts, h)[1] for h in heads}
+            assert len(heads) == 4 and len(ks) == 1, line                        # four chains of one length
+            k = ks.pop()
+            assert len(queries) == 2 and len({q[0] for q in queries}) == 2 and {q[0] for q in queries} <= heads
+            answers = [len(left) + 3 + 3 * i + 1 for i in range(2)]              # where each answer digit sits
+            for q, at in zip(queries, answers):
+                assert len(q) == 2 and chase(facts, q[0]) == (q[1], k) and line[at] == q[1], line
+                last.append(facts[-1][-1] == q[1])
+            assert [int(x) for x in lab] == [k if i in answers else 0 for i in range(len(line))], line
+            assert set(span.tolist()) == {k}
             seen.add(k)
         else:
             assert lab.sum() == 0 and span.sum() == 0
         pos += len(line) + 1
-    assert seen == {1, 2, 3, 4} and 0.2 < sum(last) / len(last) < 0.8
+    assert seen == {1, 2, 3, 4} and 0.1 < sum(last) / len(last) < 0.5
     text, labels, _ = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", max_k=2)   # chains of 1..2
-    hops = [resolve(line)[2] for line in text.split("\n") if " ; " in line]
-    assert set(hops) == {1, 2} == set(labels.tolist()) - {0}
+    assert set(labels.tolist()) - {0} == {1, 2}
 
 
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
