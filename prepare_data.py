@@ -25,6 +25,7 @@ steps cannot be taken one per position as the facts arrive, beside sentences and
     the query. Either way the work grows with k, and it may sit before the answer: the span is
     labelled too.
   python prepare_data.py --dataset=pointer [--max_k=2 --name=pointer2]    # k in 1..max_k
+  python prepare_data.py --dataset=pointer --filler=False                 # pointer items only
 Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
 every token of the item span, since the work may sit anywhere in it.
 """
@@ -55,6 +56,7 @@ DEFAULTS = dict(
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
     max_k=4,               # synthetic, pointer: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
+    filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none)
 )
 RULES = dict(dataset=["synthetic", "pointer", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
@@ -126,16 +128,19 @@ def _pointer(rng, max_k=4):
     return item
 
 
-KINDS = {"synthetic": [_sentence, _copy, _chain, _digit_sum], "pointer": [_sentence, _copy, _pointer, _pointer]}
+FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
+KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer]}
 
 
-def synthetic_text(n_chars, seed, kinds="synthetic", max_k=4):
-    """Deterministic text of the makers of KINDS[kinds], with two per-character labels: the answer
-    token's difficulty (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span."""
+def synthetic_text(n_chars, seed, kinds="synthetic", max_k=4, filler=True):
+    """Deterministic text of the makers of KINDS[kinds] (half the items, the rest FILLER; filler=False:
+    the labelled items only), with two per-character labels: the answer token's difficulty
+    (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span."""
     rng = random.Random(seed)
+    makers = (FILLER if filler else []) + KINDS[kinds]
     text, labels, spans, total = [], [], [], 0
     while total < n_chars:
-        item = rng.choice(KINDS[kinds])(rng, max_k)
+        item = rng.choice(makers)(rng, max_k)
         span = max(label for _, label in item)
         for piece, label in item + [("\n", 0)]:
             text.append(piece)
@@ -170,7 +175,7 @@ def write_split(out, ids, val_fraction, labels=None, meta=None, spans=None):
 def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
-        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"])
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], c["filler"])
         meta = char_meta(SYNTH_CHARS if c["dataset"] == "synthetic" else POINTER_CHARS)
         encode, _ = load_tokenizer(meta)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"

@@ -209,6 +209,8 @@ def test_pointer_items_need_their_k_lookups_after_the_query():
     assert seen == {1, 2, 3, 4} and 0.1 < sum(last) / len(last) < 0.5
     text, labels, _ = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", max_k=2)   # chains of 1..2
     assert set(labels.tolist()) - {0} == {1, 2}
+    lines = prepare_data.synthetic_text(5000, seed=5, kinds="pointer", filler=False)[0].split("\n")[:-1]
+    assert all(" ; " in line for line in lines) and len(lines) > 20     # --filler=False: pointer items only
 
 
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
