@@ -53,6 +53,17 @@ def prompt(n):
     return torch.randint(0, 37, (n,)).tolist()
 
 
+def chase(facts, name):
+    """Brute force over a pointer item's facts (`Dc C7`: each name defined in capitals, its value
+    after it, a pointer's value in small letters): the digit the chain from `name` ends at, and the
+    look-ups it takes."""
+    env = {f[0]: f[1] for f in facts}
+    hops, v = 1, name
+    while not env[v].isdigit():
+        v, hops = env[v].upper(), hops + 1
+    return env[v], hops
+
+
 def oracle_taus(n_prompt, n_total, mode, thr, **prefill):
     taus = torch.full((1, n_total), float(thr), dtype=torch.float64)
     if mode == "dense_ragged":

@@ -41,7 +41,7 @@ from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
 from request import Request
-from serve_depthbatch import HEADS, MODES, Engine
+from serve_depthbatch import HEADS, MODES, Engine, scheduler_for
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -399,10 +399,9 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
 
 def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
-    unless --kv_pages says otherwise, with --attn and --head; fixed-depth runs go in waves (every
-    token all its loops at once, no exit decisions: the fixed scheduler)."""
+    unless --kv_pages says otherwise, with --attn and --head, on the scheduler for the mode."""
     return Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
-                  head=c["head"], scheduler="fixed" if mode == "fixed" else "continuous")
+                  head=c["head"], scheduler=scheduler_for(mode))
 
 
 def run_gen(model, items, task, spec, c, encode, decode, shots, ks):

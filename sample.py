@@ -34,7 +34,7 @@ from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_c
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
-from serve_depthbatch import HEADS, MODES, Engine
+from serve_depthbatch import HEADS, MODES, Engine, scheduler_for
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -178,7 +178,7 @@ def main(argv):
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
     try:
         engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"], head=c["head"],
-                        scheduler="fixed" if mode == "fixed" else "continuous")    # fixed: waves, as Ouro runs
+                        scheduler=scheduler_for(mode))
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

@@ -64,6 +64,12 @@ HEADS = ["eager", "shared"]
 MAX_WAIT = 2
 
 
+def scheduler_for(mode):
+    """The scheduler for requests all of one mode (sample.py, eval.py): fixed-depth requests go in
+    waves, every token all its loops at once (no exits to decide); the others pass by pass."""
+    return "fixed" if mode == "fixed" else "continuous"
+
+
 def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full=0):
     """Per-token thresholds for an ETE-Ragged prefill (App. E.2): a threshold of its own, a cosine
     schedule from 1 (full depth) at the first prompt token down to τ at the last, and the first k

@@ -13,7 +13,7 @@ import prepare_data
 import sample
 import train
 from configurator import UserError
-from conftest import TINY, read_log
+from conftest import TINY, chase, read_log
 from model import exit_pdf
 from tokenizer import load_tokenizer
 
@@ -159,16 +159,6 @@ def resolve(line):
     while not env[v].isdigit():
         v, hops = env[v], hops + 1
     return env[v], ans, hops
-
-
-def chase(facts, name):
-    """Brute force: the digit a pointer item's chain from `name` ends at, and the look-ups it takes
-    (facts `Dc C7`: each name defined in capitals, its value after it, a pointer's in small letters)."""
-    env = {f[0]: f[1] for f in facts}
-    hops, v = 1, name
-    while not env[v].isdigit():
-        v, hops = env[v].upper(), hops + 1
-    return env[v], hops
 
 
 def test_pointer_items_need_their_k_lookups_after_the_query():
