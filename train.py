@@ -91,8 +91,8 @@ compile = False              # torch.compile the model
 backend = ""                 # torchrun process group ("": nccl on CUDA, gloo on CPU)
 seed = 1337                  # seeds python, numpy and torch; the data order and sampled exits follow it
 
-DEFAULTS = {k: v for k, v in dict(globals()).items()
-            if not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+DEFAULTS = {k: v for k, v in dict(globals()).items()   # the settings above: lower-case, not imported constants
+            if k.islower() and not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
 
 
 RULES = dict(
