@@ -13,10 +13,14 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
     the same continuation with the dense objective (RA or just more training?);
   - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global Poisson;
   - synthetic data (difficulty labels) for the whole grid, shakespeare_char for the local/global
-    Poisson pair (--input, a local copy of tiny shakespeare).
+    Poisson pair (--input, a local copy of tiny shakespeare);
+  - the pointer task (k look-ups that can only start once the query is read) for the local/global
+    Poisson pair with --seeds seeds, with the builtin pointer suite's accuracy and answer depth per k
+    at fixed@1..U and ETE-Ragged (greedy).
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
+import contextlib
 import json
 import math
 import os
@@ -25,6 +29,7 @@ import sys
 import numpy as np
 import torch
 
+import eval as eval_suite
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
@@ -48,9 +53,11 @@ THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are ta
 SIZES = {
     "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
                         "--batch_size=8", "--max_iters=30", "--eval_interval=15", "--eval_iters=2", "--warmup_iters=5",
-                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000),
+                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000, pointer_items=2,
+                  pointer_args=["--block_size=64"]),   # a k = 4 pointer item's prompt is 53 characters
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
-                       "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000),
+                       "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
+                 pointer_items=50, pointer_args=[]),
 }
 
 
@@ -80,6 +87,10 @@ def grid(c):
         runs[f"shk-{scope}-poisson"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seeds[0],
                                             args=["--prior=poisson", f"--seed={seeds[0]}"]
                                             + (["--global_kl"] if scope == "global" else []))
+        for seed in seeds:
+            runs[f"ptr-{scope}-poisson-s{seed}"] = dict(data="pointer", scope=scope, prior="poisson", seed=seed,
+                                                        args=["--prior=poisson", f"--seed={seed}"]
+                                                        + (["--global_kl"] if scope == "global" else []))
     runs["syn-global-poisson-flatbeta"] = dict(data="synthetic", scope="global", prior="poisson", seed=seeds[0],
                                                beta=0.1, args=["--prior=poisson", f"--seed={seeds[0]}", "--global_kl",
                                                                "--beta=0.1"])
@@ -90,6 +101,9 @@ def prepare(c, size, data_dir):
     """The datasets of the grid, once."""
     if not os.path.isfile(os.path.join(data_dir, "synthetic", "meta.json")):
         prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=data_dir, size=SIZES[size]["synthetic_chars"]))
+    if not os.path.isfile(os.path.join(data_dir, "pointer", "meta.json")):
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="pointer", data_dir=data_dir,
+                                  size=SIZES[size]["synthetic_chars"]))
     if not os.path.isfile(os.path.join(data_dir, "shakespeare", "meta.json")):
         src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare", input=c["input"])
         if not c["input"] and size == "quick":   # offline smoke test: a stand-in text of the same kind
@@ -110,7 +124,7 @@ def run_one(name, spec, c, size, runs):
         with open(result_path) as f:
             return json.load(f)
     budget = SIZES[size]
-    args = budget["base"] + spec["args"] + [f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}",
+    args = budget["base"] + (budget["pointer_args"] if spec["data"] == "pointer" else []) + spec["args"] + [f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}",
                                             f"--dataset={spec['data']}", "--eval_thr=" + ",".join(map(str, THRS))]
     if spec.get("parent"):
         iters = budget["branch_iters"]
@@ -128,10 +142,24 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
-    if spec["data"] == "synthetic":
-        result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", "synthetic"))
+    if spec["data"] in ("synthetic", "pointer"):
+        result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", spec["data"]))
+    if spec["data"] == "pointer":
+        result["builtin"] = builtin_by_depth(folder, budget["pointer_items"])
     write_json(result_path, result)
     return result
+
+
+def builtin_by_depth(folder, per_level):
+    """The builtin pointer suite (eval.py), greedy: accuracy and the answer's exit depth per k at
+    fixed@1..U and ETE-Ragged at τ 0.5. Returns {mode: {k: {items, acc, answer_depth}}}."""
+    model, _ = load_checkpoint(folder)
+    U = model.config.n_loops
+    modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + ["ete_ragged@0.5"])
+    with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
+        runs = eval_suite.main(["--ckpt", folder, "--builtin=pointer", f"--builtin_items={per_level}", f"--modes={modes}",
+                                "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"])
+    return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
 
 @torch.no_grad()
@@ -173,7 +201,7 @@ def claims(results, seeds):
     # 1. the ragged frontier lies above the fixed depths at equal average depth (Figure 1)
     rows = []
     for r in results:
-        if r.get("parent") or r.get("beta"):
+        if r.get("parent") or r.get("beta") or r["data"] == "pointer":   # the pointer task has claims of its own
             continue
         f = r["final"]
         for t in map(str, THRS):
@@ -231,6 +259,43 @@ def claims(results, seeds):
                                 f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
                                 f"global {depths('global')}, local {depths('local')} (0 where the depth is constant)",
                         holds=rho["global"][0] > rho["local"][0]))
+    out += pointer_claims(R, seeds)
+    return out
+
+
+def pointer_claims(R, seeds):
+    """The pointer task, where the k look-ups can only start once the query is read: first whether
+    depth buys accuracy there at all (without it the exits have nothing to follow), then whether the
+    answer's exit depth, and the depth spent over the whole item, rise with k, global against local."""
+    out, finals, suites = [], {}, {}
+    for s in ("local", "global"):
+        rs = [R[n] for n in (f"ptr-{s}-poisson-s{x}" for x in seeds) if n in R]
+        finals[s], suites[s] = [r["final"] for r in rs], [r["builtin"] for r in rs if r.get("builtin")]
+    if not all(suites.values()):
+        return out
+    levels = sorted({k for b in suites["global"] for k in b["fixed@1"]}, key=int)
+    hard, U = levels[-1], len(finals["global"][0]["val_loss_fixed"])
+    acc = lambda s, mode, k: np.mean([b[mode][k]["acc"] for b in suites[s]])
+    gain = {s: acc(s, f"fixed@{U}", hard) - acc(s, "fixed@1", hard) for s in suites}
+    table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}" for d in range(1, U + 1))
+                                for k in levels)
+    out.append(dict(claim="Pointer task: depth buys accuracy (fixed@U clearly above fixed@1 at the largest k), "
+                          "the precondition of the next claim",
+                    numbers=f"builtin pointer suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(seeds)} seed(s): "
+                            f"global {table('global')}; local {table('local')}",
+                    holds=min(gain.values()) >= 0.1))
+    rho = {s: mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals[s]])
+           for s in finals}
+    per_k = lambda s, key: " / ".join(f"{np.mean([f[key][k] for f in finals[s] if f[key].get(k) is not None] or [np.nan]):.2f}"
+                                      for k in levels)
+    ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at "
+                                  f"{np.mean([b['ete_ragged@0.5'][k]['answer_depth'] for b in suites[s]]):.2f}" for k in levels)
+    out.append(dict(claim="Pointer task: the answer's exit depth rises with k, more under global than local enforcement",
+                    numbers=f"Spearman(exit depth before an answer, its k), Poisson: global {num(rho['global'])}, local "
+                            f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
+                            f"{per_k('global', 'span_depth_by_difficulty')}, local {per_k('local', 'span_depth_by_difficulty')}; "
+                            f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
+                    holds=rho["global"][0] > rho["local"][0]))
     return out
 
 
@@ -313,9 +378,11 @@ def draw(results, out, seeds):
     os.makedirs(fig_dir, exist_ok=True)
     s0 = seeds[0]
     pair = [(R.get(f"syn-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
+    pointer = [(R.get(f"ptr-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
     made = []
-    for figure in (figure_frontier, figure_fractions, figure_trace, figure_curves, figure_difficulty):
-        drawn = figure(plt, R, pair, s0)
+    for figure, runs in ((figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair), (figure_trace, pointer),
+                         (figure_curves, pair), (figure_difficulty, pair)):
+        drawn = figure(plt, R, runs, s0)
         if drawn:
             fig, name, caption = drawn
             fig.tight_layout()
@@ -360,6 +427,7 @@ def figure_fractions(plt, R, pair, s0):
 def figure_trace(plt, R, pair, s0):
     """Figure 12: exit depth along a held-out synthetic stretch, hard tokens marked."""
     traces = [(r["trace"], s) for r, s in pair if r and r.get("trace")]
+    task = next((r["data"] for r, _ in pair if r), "synthetic")
     if traces:
         fig, axes = plt.subplots(len(traces), 1, figsize=(14, 2.4 * len(traces)), squeeze=False)
         for ax, (tr, s) in zip(axes[:, 0], traces):
@@ -372,6 +440,8 @@ def figure_trace(plt, R, pair, s0):
             ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
                    yticks=range(1, 5))
             ax.legend(fontsize=7, loc="upper right")
+        if task == "pointer":
+            return fig, "exit_trace_pointer.png", "Exit depth along a held-out pointer-task sequence, answers marked"
         return fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)"
 
 

@@ -33,6 +33,36 @@ def hand_made():
             fake_run("syn-global-uniform-s1", prior="uniform")]
 
 
+def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0)):
+    """A pointer-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
+    r = fake_run(f"ptr-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)
+    r["data"] = "pointer"
+    r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
+    suite = {f"fixed@{d}": {str(k): {"items": 50, "acc": accs[k - 1][d - 1], "answer_depth": float(d)} for k in range(1, 5)}
+             for d in range(1, 5)}
+    suite["ete_ragged@0.5"] = {str(k): {"items": 50, "acc": ragged[0], "answer_depth": ragged[1] + 0.5 * k} for k in range(1, 5)}
+    r["builtin"] = suite
+    return r
+
+
+def test_pointer_claims_are_computed_from_the_numbers():
+    helps = [(0.3, 0.9, 1.0, 1.0), (0.3, 0.4, 0.8, 0.9), (0.3, 0.3, 0.5, 0.8), (0.3, 0.3, 0.3, 0.6)]
+    flat = [(0.4, 0.4, 0.4, 0.4)] * 4
+    results = [fake_pointer("local", 1, 0.1, helps), fake_pointer("local", 2, 0.2, helps),
+               fake_pointer("global", 1, 0.5, helps), fake_pointer("global", 2, None, helps)]
+    depth, exits = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])
+    assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"] and "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
+    # Spearman undefined (None) counts as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
+    assert exits["holds"] and "global 0.250 (0.000–0.500), local 0.150 (0.100–0.200)" in exits["numbers"]
+    assert "global 1.75 / 2.00 / 2.25 / 2.50" in exits["numbers"] and "0.50 at 2.50 / 0.50 at 3.00" in exits["numbers"]
+    results[2]["builtin"]["fixed@4"]["4"]["acc"] = 0.35          # one scope where depth does not buy accuracy at k = 4
+    results[3]["builtin"]["fixed@4"]["4"]["acc"] = 0.35
+    assert not reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[0]["holds"]
+    results = [fake_pointer(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
+    assert not any(c["holds"] for c in reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2]))
+    assert reproduce.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
+
+
 def test_fixed_frontier_interpolates_between_whole_depths():
     assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 2.5) == 2.5
     assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0 and reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
@@ -79,12 +109,17 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 19
+    assert len(results) == 23
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") == 19
-    for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png", "depth_by_difficulty.png"):
+    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") + text.count("\n| ptr-") == 23
+    for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "training_curves.png",
+              "depth_by_difficulty.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
+    ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
+    assert set(ptr["builtin"]) == {"fixed@1", "fixed@2", "fixed@3", "fixed@4", "ete_ragged@0.5"}
+    assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values()) for b in ptr["builtin"].values())
+    assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task: depth buys accuracy" in text
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
     assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 10
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
