@@ -35,7 +35,7 @@ def hand_made():
 
 def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0)):
     """A pointer-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
-    r = fake_run(f"ptr-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)
+    r = fake_run(f"ptr-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
     r["data"] = "pointer"
     r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
     suite = {f"fixed@{d}": {str(k): {"items": 50, "acc": accs[k - 1][d - 1], "answer_depth": float(d)} for k in range(1, 5)}
@@ -109,17 +109,17 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 23
+    assert len(results) == 27
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") + text.count("\n| ptr-") == 23
+    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") + text.count("\n| ptr-") == 27
     for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "training_curves.png",
               "depth_by_difficulty.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
     assert set(ptr["builtin"]) == {"fixed@1", "fixed@2", "fixed@3", "fixed@4", "ete_ragged@0.5"}
     assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values()) for b in ptr["builtin"].values())
-    assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task: depth buys accuracy" in text
+    assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task, Uniform: depth buys accuracy" in text
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
     assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 10
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
