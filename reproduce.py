@@ -292,7 +292,7 @@ def pointer_prior_claims(R, seeds, prior):
                                 for k in levels)
     out.append(dict(claim=f"Pointer task, {name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
                           "k), the precondition of the next claim",
-                    numbers=f"builtin pointer suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(seeds)} seed(s): "
+                    numbers=f"builtin pointer suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} seed(s): "
                             f"global {table('global')}; local {table('local')}",
                     holds=min(gain.values()) >= 0.1))
     rho = {s: mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals[s]])
@@ -307,7 +307,7 @@ def pointer_prior_claims(R, seeds, prior):
                             f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
                             f"{per_k('global', 'span_depth_by_difficulty')}, local {per_k('local', 'span_depth_by_difficulty')}; "
                             f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
-                    holds=rho["global"][0] > rho["local"][0]))
+                    holds=rho["global"][0] > max(rho["local"][0], 0.0)))   # rising at all, and more than local
     return out
 
 
