@@ -58,10 +58,10 @@ SIZES = {
     "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
                         "--batch_size=8", "--max_iters=30", "--eval_interval=15", "--eval_iters=2", "--warmup_iters=5",
                         "--log_interval=5"], branch_iters=10, synthetic_chars=120_000, pointer_items=2,
-                  pointer_args=["--block_size=64"]),   # a k = 4 pointer item's prompt is 53 characters
+                  data_args={"pointer": ["--block_size=64"]}),   # a k = 4 pointer item's prompt is 53 characters
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
                        "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
-                 pointer_items=50, pointer_args=[]),
+                 pointer_items=50, data_args={}),
 }
 
 
@@ -129,8 +129,9 @@ def run_one(name, spec, c, size, runs):
         with open(result_path) as f:
             return json.load(f)
     budget = SIZES[size]
-    args = budget["base"] + (budget["pointer_args"] if spec["data"] == "pointer" else []) + spec["args"] + [f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}",
-                                            f"--dataset={spec['data']}", "--eval_thr=" + ",".join(map(str, THRS))]
+    args = budget["base"] + budget["data_args"].get(spec["data"], []) + spec["args"] + [
+        f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}", f"--dataset={spec['data']}",
+        "--eval_thr=" + ",".join(map(str, THRS))]
     if spec.get("parent"):
         iters = budget["branch_iters"]
         args += [f"--max_iters={iters}", f"--eval_interval={max(iters // 2, 1)}", "--warmup_iters=0",
@@ -150,16 +151,14 @@ def run_one(name, spec, c, size, runs):
     if spec["data"] in ("synthetic", "pointer"):
         result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", spec["data"]))
     if spec["data"] == "pointer":
-        result["builtin"] = builtin_by_depth(folder, budget["pointer_items"])
+        result["builtin"] = builtin_by_depth(folder, budget["pointer_items"], len(evals[-1]["val_loss_fixed"]))
     write_json(result_path, result)
     return result
 
 
-def builtin_by_depth(folder, per_level):
+def builtin_by_depth(folder, per_level, U):
     """The builtin pointer suite (eval.py), greedy: accuracy and the answer's exit depth per k at
     fixed@1..U and ETE-Ragged at τ 0.5. Returns {mode: {k: {items, acc, answer_depth}}}."""
-    model, _ = load_checkpoint(folder)
-    U = model.config.n_loops
     modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + ["ete_ragged@0.5"])
     with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
         runs = eval_suite.main(["--ckpt", folder, "--builtin=pointer", f"--builtin_items={per_level}", f"--modes={modes}",
@@ -439,7 +438,6 @@ def figure_fractions(plt, R, pair, s0):
 def figure_trace(plt, R, pair, s0):
     """Figure 12: exit depth along a held-out synthetic stretch, hard tokens marked."""
     traces = [(r["trace"], s) for r, s in pair if r and r.get("trace")]
-    task = next((r["data"] for r, _ in pair if r), "synthetic")
     if traces:
         fig, axes = plt.subplots(len(traces), 1, figsize=(14, 2.4 * len(traces)), squeeze=False)
         for ax, (tr, s) in zip(axes[:, 0], traces):
@@ -452,7 +450,7 @@ def figure_trace(plt, R, pair, s0):
             ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
                    yticks=range(1, 5))
             ax.legend(fontsize=7, loc="upper right")
-        if task == "pointer":
+        if next(r for r, _ in pair if r)["data"] == "pointer":
             return fig, "exit_trace_pointer.png", "Exit depth along a held-out pointer-task sequence, answers marked"
         return fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)"
 
