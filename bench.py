@@ -65,7 +65,7 @@ DEFAULTS = dict(
     rounds=1,              # engine: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
-    max_rows=256,          # engine: rows per pass that prefill chunks may fill
+    max_rows=256,          # engine, queue workload: rows per pass that prefill chunks may fill (the fixed batch prefills all at once)
     attn="auto",           # engine: paged attention (kernels.py)
     device="cpu",          # engine: where to run (auto: CUDA when there is one)
 )
@@ -400,7 +400,9 @@ def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0), hf=Non
                     passes_total=U * n_new, head_calls=n_new, rows_per_head_call=B, avg_decode_depth=float(U),
                     makespan_bound=U * n_new, **cost(U, weights, U * n_new, n_new, U), ideal_batch=1.0,
                     token_lists=tokens)
-    e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=c["max_rows"],
+    # every prompt in one pass, as Ouro's generate does: the batch starts together, and its pages lie
+    # on a grid that the attention reads in place (kernels.grid_of), as the dense lanes are read
+    e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=B * len(prompts[0]),
                scheduler=scheduler, attn=c["attn"], head=head)
     reqs = e.run([Request(p, n_new, mode, thr, temperature=temperature, top_p=top_p, seed=i) for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - t0

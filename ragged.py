@@ -105,11 +105,12 @@ class PagePool:
         return self.n_pages - len(self.free)
 
     def alloc(self, n, owner):
+        """n free pages, lowest ids first, for `owner` (a sequence, or a list of n: one per page)."""
         if n > len(self.free):
             raise PoolExhausted(f"need {n} KV pages, {len(self.free)} of {self.n_pages} free")
         pages = [self.free.pop() for _ in range(n)]
-        for p in pages:
-            self.owner[p] = owner
+        for p, o in zip(pages, owner if isinstance(owner, list) else [owner] * n):
+            self.owner[p] = o
         self.peak = max(self.peak, self.used)
         return pages
 
@@ -156,11 +157,15 @@ class RaggedSeq:
         self.n += T
         return pos
 
-    def alloc_depth(self, pos, d):
-        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it).
-        (check() verifies that no page is ever held twice or leaked.)"""
+    def alloc_depth(self, pos, d, pages=None):
+        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it); pages:
+        already taken from the pool for this sequence (alloc_wave). (check() verifies that no page
+        is ever held twice or leaked.)"""
         self._live()
-        pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
+        if pages is None:
+            pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
+        elif any(self.pool.owner[p] is not self for p in pages.tolist()):
+            raise PageError("alloc_depth: a page not taken for this sequence")
         self.table[pos, d] = pages
         self.real[pos, d] = True
         self.block_evals += len(pos)
@@ -212,3 +217,23 @@ class RaggedSeq:
         real = t[r].tolist()
         assert len(set(real)) == len(real), "a page owned twice"
         assert sum(o is self for o in self.pool.owner) == len(real), "a leaked page"
+
+
+def alloc_wave(pool, rows):
+    """The pages of a fixed wave in one piece: rows = [(seq, pos, depths)], each request's rows and
+    the depths they run. Taken position by position across the requests, depth innermost
+    ([row i][request][depth]): requests that start together on a fresh stretch of the pool get at
+    every depth a regular grid of pages, page(request r, position j) = base + r*s_r + j*s_j, which
+    the attention reads in place, as Ouro's dense lanes are read (kernels.gather_plan). All or
+    nothing: PoolExhausted leaves every sequence unchanged. Returns [[pages per depth] per entry]."""
+    need = sum(len(pos) * len(depths) for _, pos, depths in rows)
+    if need > len(pool.free):
+        raise PoolExhausted(f"need {need} KV pages, {len(pool.free)} of {pool.n_pages} free")
+    order = [(k, di, i) for i in range(max((len(pos) for _, pos, _ in rows), default=0))
+             for k, (_, pos, depths) in enumerate(rows) if i < len(pos) for di in range(len(depths))]
+    taken = pool.alloc(need, [rows[k][0] for k, _, _ in order])
+    grid = [[[0] * len(pos) for _ in depths] for _, pos, depths in rows]
+    for (k, di, i), p in zip(order, taken):
+        grid[k][di][i] = p
+    return [[seq.alloc_depth(pos, d, torch.tensor(pages)) for d, pages in zip(depths, g)]
+            for (seq, pos, depths), g in zip(rows, grid)]

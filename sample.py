@@ -177,8 +177,10 @@ def main(argv):
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
     try:
-        engine = Engine(model, pages, max_batch=c["num_samples"], attn=c["attn"], head=c["head"],
-                        scheduler=scheduler_for(mode))
+        # every sample's prompt in one pass: the samples start together, and their pages lie on a
+        # grid that the attention reads in place (kernels.grid_of)
+        engine = Engine(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids), attn=c["attn"],
+                        head=c["head"], scheduler=scheduler_for(mode))
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

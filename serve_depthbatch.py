@@ -38,7 +38,7 @@ import torch
 from configurator import UserError
 from kernels import resolve_impl
 from model import FULL, check_prompt, exit_now
-from ragged import PagePool, RaggedSeq, memory_bytes, page_bytes
+from ragged import PagePool, RaggedSeq, alloc_wave, memory_bytes, page_bytes
 from request import SEED_MAX, sample_token
 from rows import Group, Live, RowsView, embed_new, keep_one_depth
 
@@ -211,9 +211,7 @@ class Engine:
             self._sample([(s, h) for s, h, _ in self.pending])
             self.pending = []
             return self.emitted
-        for p in pages[:-1]:                               # a fixed wave: passes where no row can exit
-            self._run_through(groups, p)
-        hn, gate, h_next = self._run_block(groups, pages[-1])   # the shared block on every row, at its own depth
+        hn, gate, h_next = self._run_block(groups, pages)  # the shared block on every row, at its own depth
         survive, keep, to_sample = self._decide_exits(groups, gate)    # Eq. 4, each row with its τ
         self._alias_stopped(groups, keep, h_next, survive)  # Eq. 11: stopped rows alias their terminal page
         self._sample(self._head_rows(groups, [(s, hn[i]) for s, i in to_sample]))   # the LM head, and sampling
@@ -247,21 +245,20 @@ class Engine:
 
     def _run_block(self, groups, pages):
         """One application of the block to every row: row r at position p_r and depth d_r writes
-        its page and reads its request's table column d_r (RowsView). Returns the normed states, the
-        gate logits and the states passed to the next depth."""
-        view = RowsView(self.pool, pages, groups, self.attn, self.device)
+        its page and reads its request's table column d_r (RowsView). pages: one tensor per pass;
+        a fixed wave runs all its passes here, the rows carrying their state from depth to depth
+        with nothing decided in between, as Ouro's code runs its loops. Returns the normed states,
+        the gate logits and the states passed to the next depth, of the last pass."""
         embed_new(self.model, groups, self.device)
         h = torch.cat([g.h for g in groups])
         cos, sin = self.model.rope(torch.cat([g.pos for g in groups]).to(self.device), h.dtype)
-        return self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
-
-    def _run_through(self, groups, pages):
-        """A pass of a fixed wave before its last: every row runs all its depths, so nothing is
-        decided; the rows carry their state to the next depth. (Ouro's code runs the same U
-        loops per token; skipping the per-pass decisions is what lets fixed@U keep up with it.)"""
-        _, _, h_next = self._run_block(groups, pages)
-        for g, h in zip(groups, h_next.split([len(g.pos) for g in groups])):
-            g.h, g.d = h, g.d + 1
+        for i, p in enumerate(pages):
+            if i:
+                for g in groups:
+                    g.d += 1
+            view = RowsView(self.pool, p, groups, self.attn, self.device)
+            hn, gate, h = self.model.exit_heads(self.model.block(h[None], cos, sin, view)[0])
+        return hn, gate, h
 
     def _decide_exits(self, groups, gate):
         """Eq. 4 online for every row with its request's τ, through model.exit_now (the rule of the
@@ -512,20 +509,23 @@ class Engine:
         """A page for every in-flight row at its depth, oldest request first; on exhaustion preempt
         the most recently admitted request and try again. The `fixed` scheduler runs waves: its
         rows take a page for every depth at once, and the step runs all their passes (Ouro's way:
-        no row can exit early, and nothing joins a wave under way). Returns [(group, [pages per
-        depth])]."""
-        out = []
+        no row can exit early, and nothing joins a wave under way). The pages are taken in one piece
+        (ragged.alloc_wave), so that a batch that starts together reads them in place. Returns
+        [(group, [pages per depth])]."""
+        out, need = [], 0
         for s in list(self.running):
             g = s.group
             if g is None:
                 continue
             depths = range(g.d, g.n_run if self.scheduler == "fixed" else g.d + 1)
             while s in self.running and s.group is g:      # all of a group's pages or none
-                if len(g.pos) * len(depths) <= len(self.pool.free):
-                    out.append((g, [s.seq.alloc_depth(g.pos, d) for d in depths]))
+                if need + len(g.pos) * len(depths) <= len(self.pool.free):
+                    out.append((g, depths))
+                    need += len(g.pos) * len(depths)
                     break
                 self._evict(self.running[-1])
-        return [(g, p) for g, p in out if g.live.group is g]
+        out = [(g, depths) for g, depths in out if g.live.group is g]
+        return list(zip([g for g, _ in out], alloc_wave(self.pool, [(g.live.seq, g.pos, d) for g, d in out])))
 
     # ------------------------------------------------------------------ endings
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import (paged_attention, paged_attention_flex, paged_attention_torch, paged_attention_triton,
-                     paged_chunk_attention)
+from kernels import (gather_plan, grid_of, paged_attention, paged_attention_flex, paged_attention_torch,
+                     paged_attention_triton, paged_chunk_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,6 +72,39 @@ def test_chunk_attention_equals_a_float64_loop_over_the_shared_list(R, Hq, Hkv, 
         scale = random.choice([None, 0.3])
         out = paged_chunk_attention(q, k, v, ids, lengths, scale)
         assert torch.allclose(out, loop_reference(q, k, v, ids.expand(R, -1), lengths, scale), atol=1e-12, rtol=0)
+
+
+def test_rows_on_a_grid_of_pages_are_read_in_place_and_equal_the_loop():
+    """Tables with page(r, j) = base + r*s_r + j*s_j (a batch that started together) are found, read
+    through a strided view of the pool, and give what the float64 loop gives; one entry off the
+    grid, or a row shorter than the others, sends the same rows through the gather."""
+    for _ in range(5):
+        R, Hq, Hkv, D, n = random.randint(1, 6), 4, random.choice([1, 2, 4]), 16, random.randint(1, 40)
+        s_r, s_j, base = random.randint(0, 9), random.randint(1, 9), random.randint(0, 20)
+        P = base + (R - 1) * s_r + (n - 1) * s_j + 1 + random.randint(0, 5)
+        ids = base + s_r * torch.arange(R)[:, None] + s_j * torch.arange(n)[None, :]
+        lengths = torch.full((R,), n)
+        q = torch.randn(R, Hq, D, dtype=torch.float64)
+        k, v = torch.randn(P, Hkv, D, dtype=torch.float64), torch.randn(P, Hkv, D, dtype=torch.float64)
+        plan = gather_plan(ids, lengths, "cpu")
+        assert plan[2] == (base, s_r if R > 1 else 0, s_j if n > 1 else 1)
+        ref = loop_reference(q, k, v, ids, lengths)
+        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan), ref, atol=1e-12, rtol=0)
+        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan[:2] + (None,)), ref, atol=1e-12, rtol=0)
+        if R * n > 2:
+            off = ids.clone()
+            r, j = random.randrange(R), random.randrange(n)
+            off[r, j] = (off[r, j] + random.randint(1, P - 1)) % P      # one entry off the grid
+            if not torch.equal(off, ids):
+                assert grid_of(off) is None
+                assert torch.allclose(paged_attention_torch(q, k, v, off, lengths), loop_reference(q, k, v, off, lengths),
+                                      atol=1e-12, rtol=0)
+        if R > 1 and n > 1:
+            short = lengths.clone()
+            short[-1] = n - 1
+            assert gather_plan(ids, short, "cpu")[2] is None
+            assert torch.allclose(paged_attention_torch(q, k, v, ids, short), loop_reference(q, k, v, ids, short),
+                                  atol=1e-12, rtol=0)
 
 
 CASES = [  # R, Hq, Hkv (GQA 1 and 4), D (16..128), maxlen (1..a few hundred), splits (None: the heuristic)

@@ -8,7 +8,8 @@ import torch
 
 from conftest import U, prompt, varied_model
 from model import FULL
-from ragged import PageError, PagePool, PoolExhausted, RaggedSeq
+from kernels import grid_of
+from ragged import PageError, PagePool, PoolExhausted, RaggedSeq, alloc_wave
 from serve_depthbatch import prompt_thresholds
 
 def run_random_exits(seq, n, rng):
@@ -67,6 +68,34 @@ def test_pool_exhaustion_leaves_everything_intact():
     seq.check(), pool.check()
     seq.release()
     assert pool.used == 0
+
+
+def test_a_wave_takes_its_pages_in_one_piece_position_by_position():
+    """alloc_wave lays a wave's pages [row][request][depth] from the free list: requests that start
+    together on a fresh pool read every depth on a regular grid, also after later positions are
+    added; a wave that does not fit takes nothing."""
+    B, n = random.randint(1, 5), random.randint(1, 6)
+    pool = PagePool(B * U * (n + 3), n_layer=1, n_kv_head=1, head_dim=2)
+    seqs = [RaggedSeq(pool, U, n + 3) for _ in range(B)]
+    pos = [s.extend(n) for s in seqs]
+    pages = alloc_wave(pool, [(s, p, range(U)) for s, p in zip(seqs, pos)])
+    for r, per_depth in enumerate(pages):
+        for d, pg in enumerate(per_depth):
+            assert pg.tolist() == [i * B * U + r * U + d for i in range(n)]
+            assert torch.equal(seqs[r].table[:n, d], pg)
+    for _ in range(2):                                  # decode positions, one per request
+        alloc_wave(pool, [(s, s.extend(1), range(U)) for s in seqs])
+    for d in range(U):
+        table = torch.stack([s.table[:n + 2, d] for s in seqs])
+        assert grid_of(table) == (d, U if B > 1 else 0, B * U)
+    free, owner = list(pool.free), list(pool.owner)
+    late = RaggedSeq(pool, U, 9)
+    with pytest.raises(PoolExhausted):
+        alloc_wave(pool, [(seqs[0], seqs[0].extend(1), range(U)), (late, late.extend(9), range(U))])
+    assert pool.free == free and pool.owner == owner and (late.table == -1).all()
+    for s in seqs:
+        s.check()
+    pool.check()
 
 
 def test_fuzz_pages_over_many_sequences():

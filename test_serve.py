@@ -161,6 +161,28 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
                               atol=1e-10, rtol=0)
 
 
+def test_a_fixed_batch_that_starts_together_reads_its_pages_in_place(monkeypatch):
+    """B requests with prompts of one length and as many new tokens, all admitted in the first step
+    (sample.py's samples, the bench's fixed batch): every decode pass finds its rows' pages on a grid
+    (kernels.grid_of) and reads them without a gather, and every request still equals the dense
+    lanes, logits included."""
+    import kernels
+    model, B = varied_model(), random.randint(2, 5)
+    n, m = random.randint(3, 8), random.randint(3, 7)
+    reqs = [Request(prompt(n), m, "fixed", keep_logits=True) for _ in range(B)]
+    found = []
+    spy = lambda ids, real=kernels.grid_of: found.append(real(ids)) or found[-1]
+    monkeypatch.setattr(kernels, "grid_of", spy)
+    Engine(model, 2000, max_batch=B, max_rows=B * n, scheduler="fixed").run(reqs)
+    assert found and all(g is not None for g in found)
+    for r in reqs:
+        tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", U)
+        full = torch.tensor([r.prompt + r.tokens[:-1]])
+        assert r.tokens == tokens
+        assert torch.allclose(torch.stack(r.logits), model(full, keep_logits=True)["logits"][U - 1][0, n - 1:],
+                              atol=1e-10, rtol=0)
+
+
 @pytest.mark.parametrize("head", ["eager", "shared"])
 def test_preemption_replays_the_recorded_exits_exactly(head):
     """A pool too small for the batch: the newest request is preempted, requeued and rebuilt by a
