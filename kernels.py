@@ -20,7 +20,8 @@ Grouped-query attention when Hq is a multiple of Hkv (query head h reads K/V hea
 The rows of one prompt chunk read one shared key list; paged_chunk_attention(q, k_pages, v_pages,
 page_ids[maxlen], lengths) gathers it once (the engine's prefill path, checked against the above).
 Implementations, each checked against the first:
-  torch   gather + masked SDPA: the reference, any device
+  torch   gather + masked SDPA: the reference, any device; rows whose pages lie on a regular grid
+          (a batch that started together) are read through a strided view instead, no copy
   triton  flash-decoding on the GPU: one program per (row, K/V head, split) loads the page ids of its
           span, gathers the K/V rows, runs an online softmax in fp32 for all query heads of its K/V
           head, and writes a partial result that a second kernel reduces (split-K, for long contexts

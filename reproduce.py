@@ -158,8 +158,8 @@ def run_one(name, spec, c, size, runs):
 
 def builtin_by_depth(folder, per_level, U):
     """The builtin pointer suite (eval.py), greedy: accuracy and the answer's exit depth per k at
-    fixed@1..U and ETE-Ragged at τ 0.5. Returns {mode: {k: {items, acc, answer_depth}}}."""
-    modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + ["ete_ragged@0.5"])
+    fixed@1..U and ETE-Ragged at each τ of THRS. Returns {mode: {k: {items, acc, answer_depth}}}."""
+    modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"ete_ragged@{t}" for t in THRS])
     with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
         runs = eval_suite.main(["--ckpt", folder, "--builtin=pointer", f"--builtin_items={per_level}", f"--modes={modes}",
                                 "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"])
@@ -307,7 +307,25 @@ def pointer_prior_claims(R, seeds, prior):
                             f"{per_k('global', 'span_depth_by_difficulty')}, local {per_k('local', 'span_depth_by_difficulty')}; "
                             f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
                     holds=rho["global"][0] > max(rho["local"][0], 0.0)))   # rising at all, and more than local
+    sweep = sweep_numbers(finals, suites, hard)
+    if sweep:
+        out[-1]["numbers"] += "; " + sweep
     return out
+
+
+def sweep_numbers(finals, suites, hard):
+    """The τ sweep of a pointer pair, where its runs have it: Spearman per τ (seed means), and the
+    ETE-Ragged accuracy at its answer depth on the largest k per τ. "" when a run lacks it."""
+    thrs = [str(t) for t in THRS]
+    runs = [f for s in finals for f in finals[s]]
+    if not runs or not all("difficulty_spearman_by_thr" in f for f in runs) or \
+            not all(f"ete_ragged@{t}" in b for s in suites for b in suites[s] for t in thrs):
+        return ""
+    rho = lambda s, t: np.mean([f["difficulty_spearman_by_thr"][t] or 0.0 for f in finals[s]])
+    at = lambda s, t, key: np.mean([b[f"ete_ragged@{t}"][hard][key] for b in suites[s]])
+    part = lambda s: ", ".join(f"τ {t}: ρ {rho(s, t):.3f}, k={hard} {at(s, t, 'acc'):.2f} at {at(s, t, 'answer_depth'):.2f}"
+                               for t in sorted(thrs, key=float))
+    return f"τ sweep (Spearman; ETE-Ragged accuracy at answer depth): global {part('global')}; local {part('local')}"
 
 
 def parent_gap(R, r):

@@ -171,7 +171,7 @@ def test_each_objective_trains(tmp_path, data_dir, method, extra):
 def test_eval_metrics_against_brute_force(data_dir):
     c = dict(train.DEFAULTS)
     c.update(n_layer=1, n_head=2, n_kv_head=1, n_embd=16, ffn_hidden=24, block_size=16, batch_size=4,
-             eval_iters=2, data_dir=data_dir, eval_thr="0.5")
+             eval_iters=2, data_dir=data_dir, eval_thr="0.5,0.3")
     from types import SimpleNamespace
     c = SimpleNamespace(**c)
     model = random_model(3, vocab_size=44, block_size=16).float()
@@ -180,11 +180,12 @@ def test_eval_metrics_against_brute_force(data_dir):
     prior = train.exit_prior("uniform", 4)
     m = train.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
     g = torch.Generator().manual_seed(c.seed + 1)
-    exits, labs = [], []
+    exits, labs, at_03 = [], [], []
     for _ in range(2):
         starts = train.draw_starts(val, c, 4, g)
         x, _ = train.get_batch(val, c, starts, "cpu")
         e = forward_ragged(model, x, taus=0.5)["exits"]
+        at_03 += [v for row in forward_ragged(model, x, taus=0.3)["exits"].tolist() for v in row]
         for row, s in zip(e.tolist(), starts):
             exits.append(row)
             labs.append([int(labels[s + 1 + i]) for i in range(16)])   # label of token i+1
@@ -196,6 +197,31 @@ def test_eval_metrics_against_brute_force(data_dir):
     for k in range(5):
         sel = [e for e, l in zip(flat, fl) if l == k]
         assert m["depth_by_difficulty"][str(k)] is None if not sel else abs(m["depth_by_difficulty"][str(k)] - np.mean(sel)) < 1e-4
+    for t, ev in (("0.5", flat), ("0.3", at_03)):              # the Spearman of the sweep, at each threshold
+        pairs = [(e, l) for e, l in zip(ev, fl) if l > 0]
+        rho = brute_spearman([e for e, _ in pairs], [l for _, l in pairs])
+        got = m["difficulty_spearman_by_thr"][t]
+        assert (got is None and np.isnan(rho)) or abs(got - rho) < 1e-4, (t, got, rho)
+    assert m["difficulty_spearman"] == m["difficulty_spearman_by_thr"]["0.5"]
+
+
+def brute_spearman(a, b):
+    """Pearson correlation of average ranks (ties share the mean of their ranks)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out, i = [0.0] * len(v), 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return np.array(out)
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def test_torchrun_two_processes_match_one(tmp_path, data_dir):

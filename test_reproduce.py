@@ -45,6 +45,14 @@ def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0)):
     return r
 
 
+def with_sweep(r, rho_by_thr):
+    """The τ sweep of a pointer run: Spearman per τ, ETE-Ragged at every τ (accuracy 0.5, depth τ x 4 + k)."""
+    r["final"]["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho_by_thr.items()}
+    for t in rho_by_thr:
+        r["builtin"][f"ete_ragged@{t}"] = {str(k): {"items": 50, "acc": 0.5, "answer_depth": 4 * t + k} for k in range(1, 5)}
+    return r
+
+
 def test_pointer_claims_are_computed_from_the_numbers():
     helps = [(0.3, 0.9, 1.0, 1.0), (0.3, 0.4, 0.8, 0.9), (0.3, 0.3, 0.5, 0.8), (0.3, 0.3, 0.3, 0.6)]
     flat = [(0.4, 0.4, 0.4, 0.4)] * 4
@@ -58,6 +66,11 @@ def test_pointer_claims_are_computed_from_the_numbers():
     results[2]["builtin"]["fixed@4"]["4"]["acc"] = 0.35          # one scope where depth does not buy accuracy at k = 4
     results[3]["builtin"]["fixed@4"]["4"]["acc"] = 0.35
     assert not reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[0]["holds"]
+    assert "τ sweep" not in exits["numbers"]                        # runs without it: no sweep numbers
+    sweep = {0.5: 0.5, 0.2: 0.1, 0.3: None, 0.7: 0.3}
+    results = [with_sweep(r, sweep) for r in results]
+    numbers = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[1]["numbers"]
+    assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
     results = [fake_pointer(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
     assert not any(c["holds"] for c in reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2]))
     assert reproduce.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
@@ -117,7 +130,8 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
               "depth_by_difficulty.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
-    assert set(ptr["builtin"]) == {"fixed@1", "fixed@2", "fixed@3", "fixed@4", "ete_ragged@0.5"}
+    assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"ete_ragged@{t}" for t in reproduce.THRS}
+    assert set(ptr["final"]["difficulty_spearman_by_thr"]) == {str(t) for t in reproduce.THRS}   # the τ sweep
     assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values()) for b in ptr["builtin"].values())
     assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task, Uniform: depth buys accuracy" in text
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))

@@ -458,5 +458,7 @@ def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path)
     assert np.all(span[lab > 0] == lab[lab > 0])                   # an answer lies in its own item's span
     assert set(m["span_depth_by_difficulty"]) == {"1", "2", "3", "4"}
     assert all(v is None or 1 <= v <= 4 for v in m["span_depth_by_difficulty"].values())
+    thrs = train.DEFAULTS["eval_thr"].split(",")            # the sweep: the same at every eval threshold
+    assert set(m["span_depth_by_thr"]) == set(thrs) and m["span_depth_by_thr"][thrs[0]] == m["span_depth_by_difficulty"]
     with open(os.path.join(data, "pointer", "meta.json")) as f:   # the facts' capitals are in its vocabulary
         assert set(json.load(f)["chars"]) == set(prepare_data.POINTER_CHARS)

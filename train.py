@@ -446,15 +446,16 @@ def eval_thresholds(c):
 def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
     """Fixed-depth and ragged (ETE-Ragged, teacher-forced) val losses, exit statistics at the first
     eval threshold, the KL of the batch-mean exit distribution, and on synthetic data the exit
-    depth by difficulty (the depth at position i paired with the label of token i+1); with item
-    labels (the pointer dataset) also the mean depth over the whole span of items of each difficulty,
-    since the work an answer needs may sit anywhere in its item."""
+    depth by difficulty (the depth at position i paired with the label of token i+1) and its
+    Spearman correlation, at the first threshold and at each (`*_by_thr`); with item labels (the
+    pointer dataset) also the mean depth over the whole span of items of each difficulty, since the
+    work an answer needs may sit anywhere in its item."""
     model.eval()
     g = torch.Generator().manual_seed(c.seed + 1)  # the same eval batches every time
     U = model.config.n_loops
     thrs = eval_thresholds(c)
-    fixed, pis, ragged, exits, diffs, spans = [], [], {t: [] for t in thrs}, [], [], []
-    depth = {t: [] for t in thrs}
+    fixed, pis, ragged, diffs, spans = [], [], {t: [] for t in thrs}, [], []
+    depth, exits = {t: [] for t in thrs}, {t: [] for t in thrs}
     for _ in range(c.eval_iters):
         starts = draw_starts(val, c, c.batch_size, g)
         x, y = get_batch(val, c, starts, device)
@@ -464,8 +465,7 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
                 r = forward_ragged(model, x, y, taus=t)
                 ragged[t].append(float(r["loss"]))
                 depth[t].append(float(r["exits"].double().mean()))
-                if t == thrs[0]:
-                    exits.append(r["exits"].cpu())
+                exits[t].append(r["exits"].cpu())
         fixed.append(out["losses"].float().reshape(-1, U).mean(0))
         pis.append(exit_pdf(out["gate_logits"]).reshape(-1, U))
         if labels is not None:
@@ -473,7 +473,8 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
         if item_labels is not None:
             spans.append(windows(item_labels, starts, c.block_size, 1))
     model.train()
-    e = torch.cat(exits)                                    # (batches*B, T)
+    exits = {t: torch.cat(v) for t, v in exits.items()}      # (batches*B, T) per threshold
+    e = exits[thrs[0]]
     stats = exit_stats(e, U)                                # jumps within each sequence
     pi = torch.cat(pis)
     r = lambda v: round(float(v), 5)
@@ -488,18 +489,18 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
         "kl_global": r(kl_global(pi, prior)),
         "kl_local": r(kl_local(pi, prior)),
     }
+    mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
     if diffs:
         d = torch.cat(diffs).reshape(-1).numpy()
-        ev = e.reshape(-1).numpy()
-        metrics["depth_by_difficulty"] = {str(k): (r(ev[d == k].mean()) if (d == k).any() else None)
-                                          for k in range(0, 5)}
-        lab = d > 0
-        rho = spearman(ev[lab], d[lab])
-        metrics["difficulty_spearman"] = None if math.isnan(rho) else r(rho)
+        rho = {t: spearman(ev.reshape(-1).numpy()[d > 0], d[d > 0]) for t, ev in exits.items()}
+        rho = {t: None if math.isnan(v) else r(v) for t, v in rho.items()}
+        metrics["depth_by_difficulty"] = mean_by(e.reshape(-1).numpy(), d, range(0, 5))
+        metrics["difficulty_spearman"] = rho[thrs[0]]
+        metrics["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
     if spans:
-        d, ev = torch.cat(spans).reshape(-1).numpy(), e.reshape(-1).numpy()
-        metrics["span_depth_by_difficulty"] = {str(k): (r(ev[d == k].mean()) if (d == k).any() else None)
-                                               for k in range(1, 5)}
+        d = torch.cat(spans).reshape(-1).numpy()
+        metrics["span_depth_by_difficulty"] = mean_by(e.reshape(-1).numpy(), d, range(1, 5))
+        metrics["span_depth_by_thr"] = {str(t): mean_by(ev.reshape(-1).numpy(), d, range(1, 5)) for t, ev in exits.items()}
     return metrics
 
 
