@@ -63,11 +63,13 @@ def gather_plan(page_ids, lengths, device):
     """What paged_attention_torch gathers: the flat page list, each entry past its row's length
     replaced by page 0 (never index with what lies there), the [R, 1, 1, maxlen] mask of the valid
     keys (None when every row reads its whole list), and the rows' grid (grid_of) when there is no
-    mask. The same in every layer of a pass: the engine computes it once per pass."""
-    valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths.to(device)[:, None]   # [R, maxlen]
-    ids = torch.where(valid, page_ids.to(device).long(), 0).reshape(-1)
-    full = bool(valid.all())
-    return ids, None if full else valid[:, None, None, :], grid_of(page_ids.to(device).long()) if full else None
+    mask (then no flat list). The same in every layer of a pass: the engine computes it once per pass."""
+    page_ids, lengths = page_ids.to(device).long(), lengths.to(device)
+    if int(lengths.min()) == page_ids.shape[1]:                # every row reads its whole list: no mask
+        grid = grid_of(page_ids)
+        return (None if grid else page_ids.reshape(-1)), None, grid
+    valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths[:, None]   # [R, maxlen]
+    return torch.where(valid, page_ids, 0).reshape(-1), valid[:, None, None, :], None
 
 
 def grid_of(page_ids):
