@@ -159,13 +159,11 @@ class RaggedSeq:
 
     def alloc_depth(self, pos, d, pages=None):
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it); pages:
-        already taken from the pool for this sequence (alloc_wave). (check() verifies that no page
-        is ever held twice or leaked.)"""
+        already taken from the pool for this sequence (alloc_wave). (write_pages refuses a page the
+        sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
         self._live()
         if pages is None:
             pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
-        elif any(self.pool.owner[p] is not self for p in pages.tolist()):
-            raise PageError("alloc_depth: a page not taken for this sequence")
         self.table[pos, d] = pages
         self.real[pos, d] = True
         self.block_evals += len(pos)

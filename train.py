@@ -489,18 +489,19 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
         "kl_global": r(kl_global(pi, prior)),
         "kl_local": r(kl_local(pi, prior)),
     }
+    flat = {t: ev.reshape(-1).numpy() for t, ev in exits.items()}
     mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
     if diffs:
         d = torch.cat(diffs).reshape(-1).numpy()
-        rho = {t: spearman(ev.reshape(-1).numpy()[d > 0], d[d > 0]) for t, ev in exits.items()}
+        rho = {t: spearman(ev[d > 0], d[d > 0]) for t, ev in flat.items()}
         rho = {t: None if math.isnan(v) else r(v) for t, v in rho.items()}
-        metrics["depth_by_difficulty"] = mean_by(e.reshape(-1).numpy(), d, range(0, 5))
+        metrics["depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(0, 5))
         metrics["difficulty_spearman"] = rho[thrs[0]]
         metrics["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
     if spans:
         d = torch.cat(spans).reshape(-1).numpy()
-        metrics["span_depth_by_difficulty"] = mean_by(e.reshape(-1).numpy(), d, range(1, 5))
-        metrics["span_depth_by_thr"] = {str(t): mean_by(ev.reshape(-1).numpy(), d, range(1, 5)) for t, ev in exits.items()}
+        metrics["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
+        metrics["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
     return metrics
 
 
