@@ -301,9 +301,15 @@ def resolve_impl(impl, device):
 
 
 def paged_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, impl="torch", plan=None):
+    """Row r of q attends over the pages page_ids[r, :lengths[r]] (checked, then attend_pages)."""
     check_inputs(q, k_pages, v_pages, page_ids, lengths)
-    if impl == "auto":
-        impl = resolve_impl(impl, q.device)
+    impl = resolve_impl(impl, q.device) if impl == "auto" else impl
+    return attend_pages(q, k_pages, v_pages, page_ids, lengths, impl, plan, scale)
+
+
+def attend_pages(q, k_pages, v_pages, page_ids, lengths, impl, plan=None, scale=None):
+    """paged_attention on inputs already checked, with an implementation already resolved: the
+    engine checks a pass's tables once and calls this in every layer."""
     if impl == "torch":
         return paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale, plan)
     if impl == "triton":

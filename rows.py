@@ -6,8 +6,9 @@ A *row* is one token of one request at one depth. serve_depthbatch.Engine decide
 and when they stop; this file is what a row is and what one pass of the block reads and writes.
 """
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from kernels import gather_plan, paged_attention, paged_chunk_attention
+from kernels import attend_pages, check_inputs, gather_plan, paged_chunk_attention
 from model import at_least_fp32
 
 
@@ -24,6 +25,7 @@ class Live:
         self.evals_before = 0           # block evaluations of caches freed by preemption
         self.ending = False             # the last token is sampled; ends when its group finishes
         self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)
+        self.waited = 0                 # passes its exited rows waited for a shared LM-head call
 
     def runnable(self):
         """Positions it must run: every known token but a final sampled one (that one never runs)."""
@@ -57,19 +59,28 @@ class RowsView:
 
     def __init__(self, pool, pages, groups, impl, device):
         self.pool, self.pages, self.impl = pool, pages, impl
+        self.n_rows = pages.shape[0]
         self.parts = attention_parts(groups, impl, device)
-        # the torch reference's gather list and mask are the same in every layer: once per pass
+        self.sizes = [lengths.shape[0] for _, lengths in self.parts]
+        # every layer reads the same tables with queries of the same shape: check them once per pass,
+        # and build the torch reference's gather list, mask or grid once per pass too
+        H, D = pool.k.shape[2], pool.k.shape[3]
+        for (ids, lengths), n in zip(self.parts, self.sizes):
+            if ids.dim() == 2:
+                check_inputs(torch.empty(n, H, D, device="meta"), pool.k[0], pool.v[0], ids, lengths)
         self.plans = [gather_plan(ids, lengths, device) if impl == "torch" and ids.dim() == 2 else None
                       for ids, lengths in self.parts]
 
     def attend(self, layer, q, k, v):
         pool = self.pool
-        pool.k[layer, self.pages] = k[0].transpose(0, 1)                    # [R, Hkv, D]
-        pool.v[layer, self.pages] = v[0].transpose(0, 1)
-        pool.writes += len(self.pages)
-        qs = q[0].transpose(0, 1).split([len(lengths) for _, lengths in self.parts])    # [R, Hq, D] in parts
-        ys = [paged_chunk_attention(qp, pool.k[layer], pool.v[layer], ids, lengths) if ids.dim() == 1 else
-              paged_attention(qp, pool.k[layer], pool.v[layer], ids, lengths, impl=self.impl, plan=plan)
+        kl, vl = pool.k[layer], pool.v[layer]
+        kl[self.pages] = k[0].transpose(0, 1)                    # [R, Hkv, D]
+        vl[self.pages] = v[0].transpose(0, 1)
+        pool.writes += self.n_rows
+        q = q[0].transpose(0, 1)                                 # [R, Hq, D]
+        qs = q.split(self.sizes) if len(self.sizes) > 1 else [q]
+        ys = [paged_chunk_attention(qp, kl, vl, ids, lengths) if ids.dim() == 1 else
+              attend_pages(qp, kl, vl, ids, lengths, self.impl, plan)
               for qp, (ids, lengths), plan in zip(qs, self.parts, self.plans)]
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
@@ -86,11 +97,9 @@ def attention_parts(groups, attn, device):
     parts = []
     for lo, hi in padded_tables(ends, attn):
         pos = torch.cat([g.pos for g in flat[lo:hi]])
-        page_ids = torch.full((len(pos), max(ends[lo:hi])), -1, dtype=torch.long)
-        row = 0
-        for g, n_keys in zip(flat[lo:hi], ends[lo:hi]):
-            page_ids[row:row + len(g.pos), :n_keys] = g.live.seq.table[:n_keys, g.d]   # column d (Eq. 11)
-            row += len(g.pos)
+        cols = [g.live.seq.table[:n_keys, g.d] for g, n_keys in zip(flat[lo:hi], ends[lo:hi])
+                for _ in range(len(g.pos))]                                   # column d (Eq. 11), per row
+        page_ids = pad_sequence(cols, batch_first=True, padding_value=-1)    # -1: past the row's keys
         parts.append((page_ids.to(device), (pos + 1).to(device)))
     for g in groups[len(flat):]:
         n_keys = g.pos.tolist()[-1] + 1

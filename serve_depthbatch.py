@@ -22,8 +22,8 @@ freed, requeued); when it returns, its cache is rebuilt by a recomputation that 
 depths it already had, so its continuation is exactly what it would have been.
 
 The LM head runs on the rows whose exit samples a token. With a real vocabulary it weighs as much as
-the block, so head="shared" lets exited rows wait up to MAX_WAIT passes to share one call while
-waiting is cheaper than a call; the tokens are the same either way.
+the block, so head="shared" lets exited rows wait a few passes to share one call while waiting is
+cheaper than a call; the tokens are the same either way.
 
 What a row is (its request's live state, its paged reads and writes) is rows.py; the Request that
 callers fill in and read back is request.py. The HTTP API over this engine is server.py; its
@@ -58,8 +58,9 @@ MODES = {
     "collapse_kv":  dict(prompt=("prefill", True, "exit"), decode=("thr", False, "exit")),
 }
 SCHEDULERS = ["continuous", "nested", "fixed"]
-# When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait up
-# to MAX_WAIT passes to share one head call, while the cost model says waiting costs less than a call.
+# When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait to
+# share one head call, while the cost model says waiting costs less than a call (with a queue, up to
+# MAX_WAIT passes; with none, for the request that ends the batch: Engine._head_rows).
 HEADS = ["eager", "shared"]
 MAX_WAIT = 2
 
@@ -309,11 +310,14 @@ class Engine:
 
     def _head_rows(self, groups, exited):
         """The exited rows [(Live, normed state)] that take the LM head now. "eager": all of them.
-        "shared": they join the waiting rows, and all go together when one has waited MAX_WAIT
-        passes, when nothing else would run next pass, or when waiting costs more than the call it
-        saves. What a wait costs: while requests queue, each waiting row idles its slot of the batch
-        (about w_block / max_batch a pass, against w_head for a call); with no queue, nothing, except
-        for the request with the most work left, which sets when the batch ends: its row never waits."""
+        "shared": they join the waiting rows, and all go together when one has waited its limit,
+        when nothing else would run next pass, or when waiting costs more than the call it saves.
+        What a wait costs: while requests queue, each waiting row idles its slot of the batch (about
+        w_block / max_batch a pass, against w_head for a call), so no row waits more than MAX_WAIT
+        passes; with no queue, nothing, except for the request with the most passes left, which
+        sets when the batch ends: its row never waits, and the others wait for it (at most U
+        passes: its row exits within U), so that a fixed batch calls the head about once per step
+        of its deepest request."""
         if self.head == "eager" or self.scheduler == "fixed":   # a fixed wave's rows all exit on its last pass
             return exited
         self.pending = [(s, h, waited + 1) for s, h, waited in self.pending] + [(s, h, 0) for s, h in exited]
@@ -322,21 +326,25 @@ class Engine:
         others = (any(len(g.pos) for g in groups) or self.waiting
                   or any(s.group is None and s.done < s.runnable() for s in self.running))
         if self.waiting:
-            dear = len(self.pending) * self.w_block >= self.w_head * self.max_batch
+            dear, limit = len(self.pending) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
         else:
             deepest = self._deepest()
-            dear = any(s is deepest for s, _, _ in self.pending)
-        if others and not dear and max(w for _, _, w in self.pending) < MAX_WAIT:
+            dear, limit = any(s is deepest for s, _, _ in self.pending), self.U
+        if others and not dear and max(w for _, _, w in self.pending) < limit:
             return []
+        for s, _, waited in self.pending:
+            s.waited += waited
         out, self.pending = [(s, h) for s, h, _ in self.pending], []
         return out
 
     def _deepest(self):
-        """The running request with the most passes left (tokens to go x its mean decode depth so far):
-        the one that ends the batch when nothing queues."""
+        """The running request with the most passes left: tokens to go x the passes each of its
+        decode tokens took so far (its mean decode depth, plus what its rows waited for the head).
+        With no queue it ends the batch; counting the waits lets a request that waited its way to
+        the end stop waiting."""
         def left(s):
             total, n = s.decode_depths
-            return (s.req.max_tokens - len(s.req.tokens)) * (total / n if n else n_run(s.req, self.U))
+            return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n else n_run(s.req, self.U))
         return max(self.running, key=left, default=None)
 
     def _sample(self, rows):

@@ -341,9 +341,10 @@ def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
 
 @pytest.mark.parametrize("w_head", [0.0, 1e6, float("inf")])
 def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
-    """Every decision of the shared head, checked as it is made: no row waits more than MAX_WAIT
-    passes; while requests queue, rows wait only if the cost model says a call is dearer than their
-    idle slots; with no queue, the request with the most work left never waits."""
+    """Every decision of the shared head, checked as it is made: while requests queue, no row waits
+    more than MAX_WAIT passes, and rows wait only if the cost model says a call is dearer than their
+    idle slots; with no queue, no row waits more than U passes, and the request with the most work
+    left never waits."""
     import serve_depthbatch
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
@@ -354,7 +355,7 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
     def checked(groups, exited):
         out = real(groups, exited)
         waiting = e.pending
-        assert all(w < serve_depthbatch.MAX_WAIT for _, _, w in waiting)
+        assert all(w < (serve_depthbatch.MAX_WAIT if e.waiting else e.U) for _, _, w in waiting)
         if waiting and e.waiting:
             assert len(waiting) * e.w_block < e.w_head * e.max_batch
         elif waiting:
