@@ -426,9 +426,11 @@ def bench_engine(c):
     model = engine_model(c)
     cfg, U = model.config, model.config.n_loops
     batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
-    need = 2048 if c["full"] else 192
+    queue = c["workload"] != "batch" or c["capacity"]        # the queue's requests (and the capacity table's)
+    need = max(([2048 if c["full"] else 192] if queue else []) + ([640 if c["full"] else 96] if c["workload"] != "queue" else []))
     if need > cfg.block_size:
-        raise UserError(f"the workloads need a context of {need} tokens; the model has block_size={cfg.block_size}")
+        raise UserError(f"--workload={c['workload']} --capacity={c['capacity']} needs a context of {need} tokens; the "
+                        f"model has block_size={cfg.block_size} (--workload=batch --capacity=False needs the least)")
     if c["requests"] and c["requests"] < 2 * max(batches):
         raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest batch "
                         f"({2 * max(batches)}), so that requests wait while the batch runs full")

@@ -60,7 +60,7 @@ MODES = {
 SCHEDULERS = ["continuous", "nested", "fixed"]
 # When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait to
 # share one head call, while the cost model says waiting costs less than a call (with a queue, up to
-# MAX_WAIT passes; with none, for the request that ends the batch: Engine._head_rows).
+# MAX_WAIT passes; with none, for the row of the request that ends the batch: Engine._head_rows).
 HEADS = ["eager", "shared"]
 MAX_WAIT = 2
 
@@ -314,10 +314,11 @@ class Engine:
         when nothing else would run next pass, or when waiting costs more than the call it saves.
         What a wait costs: while requests queue, each waiting row idles its slot of the batch (about
         w_block / max_batch a pass, against w_head for a call), so no row waits more than MAX_WAIT
-        passes; with no queue, nothing, except for the request with the most passes left, which
-        sets when the batch ends: its row never waits, and the others wait for it (at most U
-        passes: its row exits within U), so that a fixed batch calls the head about once per step
-        of its deepest request."""
+        passes. With no queue, nothing, unless the waiting request ends up the last one to finish:
+        then each pass it waited is one more pass of the batch (w_block). So rows wait only where a
+        call costs more than a pass, and only while one more pass of waiting leaves their request
+        short of the one that ends the batch (passes left, waits included); they wait for its row
+        (at most U passes: it exits within U) and share its call."""
         if self.head == "eager" or self.scheduler == "fixed":   # a fixed wave's rows all exit on its last pass
             return exited
         self.pending = [(s, h, waited + 1) for s, h, waited in self.pending] + [(s, h, 0) for s, h in exited]
@@ -328,8 +329,9 @@ class Engine:
         if self.waiting:
             dear, limit = len(self.pending) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
         else:
-            deepest = self._deepest()
-            dear, limit = any(s is deepest for s, _, _ in self.pending), self.U
+            end = max(self._passes_left(s) for s in self.running)
+            dear = self.w_head < self.w_block or any(self._passes_left(s) + w + 1 > end for s, _, w in self.pending)
+            limit = self.U
         if others and not dear and max(w for _, _, w in self.pending) < limit:
             return []
         for s, _, waited in self.pending:
@@ -337,15 +339,11 @@ class Engine:
         out, self.pending = [(s, h) for s, h, _ in self.pending], []
         return out
 
-    def _deepest(self):
-        """The running request with the most passes left: tokens to go x the passes each of its
-        decode tokens took so far (its mean decode depth, plus what its rows waited for the head).
-        With no queue it ends the batch; counting the waits lets a request that waited its way to
-        the end stop waiting."""
-        def left(s):
-            total, n = s.decode_depths
-            return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n else n_run(s.req, self.U))
-        return max(self.running, key=left, default=None)
+    def _passes_left(self, s):
+        """Passes a running request still needs: tokens to go x the passes each of its decode tokens
+        took so far (its mean decode depth, plus what its rows waited for the head)."""
+        total, n = s.decode_depths
+        return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n else n_run(s.req, self.U))
 
     def _sample(self, rows):
         """The LM head on the rows [(Live, normed state)] whose exit samples their request's next
@@ -564,7 +562,7 @@ class Engine:
         self.pool.check()
         for s in self.running:
             s.seq.check()
-        for s in self.running:      # the running decode depth that _deepest reads, against a recount
+        for s in self.running:      # the running decode depth that _passes_left reads, against a recount
             dec = s.req.exits[len(s.req.prompt):]
             assert s.decode_depths == [sum(dec), len(dec)], (s.decode_depths, dec)
         held = sum(int(s.seq.real[:s.seq.n].sum()) for s in self.running)

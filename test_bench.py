@@ -133,3 +133,22 @@ def test_ouro_code_row_refuses_what_it_cannot_run(tmp_path, monkeypatch):
         bench.main(base + [f"--ouro_code={code}"])
     with pytest.raises(UserError, match="a row of the fixed batch"):
         bench.main(base[:-1] + ["--workload=queue", f"--ouro_code={code}"])
+
+
+def test_the_fixed_batch_runs_on_a_checkpoint_too_short_for_the_queue(tmp_path, capsys):
+    """A model with a context of 128 tokens: the queue (requests up to 192 tokens) is refused with
+    the context it needs, and the fixed batch (96 tokens) runs on it, its rows in the JSON line."""
+    from checkpoint import model_args, save_checkpoint
+    from conftest import random_model
+    model = random_model(1, block_size=128)
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": {}},
+                    str(tmp_path / "ckpt.pt"))
+    base = ["--what=engine", f"--ckpt={tmp_path}", "--batches=2"]
+    with pytest.raises(UserError, match="needs a context of 192 tokens; the model has block_size=128"):
+        bench.main(base + ["--workload=queue"])
+    with pytest.raises(UserError, match="needs a context of 192 tokens"):      # the capacity table's requests
+        bench.main(base + ["--workload=batch"])
+    bench.main(base + ["--workload=batch", "--capacity=False", "--sampling=greedy"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {("batch", 2)}
+    assert all(r["tokens_agree_with_ouro_way"] == 1.0 for r in out["runs"] if r["mode"] == "fixed")

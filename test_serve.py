@@ -343,8 +343,8 @@ def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
 def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
     """Every decision of the shared head, checked as it is made: while requests queue, no row waits
     more than MAX_WAIT passes, and rows wait only if the cost model says a call is dearer than their
-    idle slots; with no queue, no row waits more than U passes, and the request with the most work
-    left never waits."""
+    idle slots; with no queue, no row waits more than U passes, none where a call costs less than a
+    pass, and none of a request that one more pass of waiting would make the last to finish."""
     import serve_depthbatch
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
@@ -358,8 +358,9 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
         assert all(w < (serve_depthbatch.MAX_WAIT if e.waiting else e.U) for _, _, w in waiting)
         if waiting and e.waiting:
             assert len(waiting) * e.w_block < e.w_head * e.max_batch
-        elif waiting:
-            assert e._deepest() not in [s for s, _, _ in waiting]
+        elif waiting:      # only where a call costs more than a pass, never the request that ends the batch
+            end = max(e._passes_left(s) for s in e.running)
+            assert e.w_head >= e.w_block and all(e._passes_left(s) + w + 1 <= end for s, _, w in waiting)
         deferred.append(len(waiting))
         return out
     e._head_rows = checked
