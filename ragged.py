@@ -158,15 +158,19 @@ class RaggedSeq:
         return pos
 
     def alloc_depth(self, pos, d, pages=None):
-        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it); pages:
+        """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it), or for
+        every depth of a range d (a fixed wave runs them all: pages [len(pos), len(d)]); pages:
         already taken from the pool for this sequence (alloc_wave). (write_pages refuses a page the
         sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
         self._live()
+        wave = isinstance(d, range)
         if pages is None:
-            pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
-        self.table[pos, d] = pages
-        self.real[pos, d] = True
-        self.block_evals += len(pos)
+            pages = torch.tensor(self.pool.alloc(len(pos) * (len(d) if wave else 1), self), dtype=torch.long)
+            pages = pages.view(len(pos), len(d)) if wave else pages
+        cols = slice(d.start, d.stop) if wave else d
+        self.table[pos, cols] = pages
+        self.real[pos, cols] = True
+        self.block_evals += pages.numel()
         return pages
 
     def stop(self, pos, d):
@@ -188,10 +192,12 @@ class RaggedSeq:
             raise PageError("this sequence was released: its pages are freed and may belong to another")
 
     def write_pages(self, pos, d, pages):
+        """Check a K/V write of `pos` at depth d (or every depth of a range d, pages [len(pos), len(d)])."""
         self._live()
-        if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
+        cols = slice(d.start, d.stop) if isinstance(d, range) else d
+        if not (self.real[pos, cols].all() and torch.equal(self.table[pos, cols], pages)):
             raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
-        if any(self.pool.owner[p] is not self for p in pages.tolist()):
+        if any(self.pool.owner[p] is not self for p in pages.flatten().tolist()):
             raise PageError("a K/V write to a freed page or one held by another sequence")
 
     def release(self):
@@ -219,19 +225,20 @@ class RaggedSeq:
 
 def alloc_wave(pool, rows):
     """The pages of a fixed wave in one piece: rows = [(seq, pos, depths)], each request's rows and
-    the depths they run. Taken position by position across the requests, depth innermost
+    the range of depths they run. Taken position by position across the requests, depth innermost
     ([row i][request][depth]): requests that start together on a fresh stretch of the pool get at
     every depth a regular grid of pages, page(request r, position j) = base + r*s_r + j*s_j, which
     the attention reads in place, as Ouro's dense lanes are read (kernels.gather_plan). All or
-    nothing: PoolExhausted leaves every sequence unchanged. Returns [[pages per depth] per entry]."""
+    nothing: PoolExhausted leaves every sequence unchanged. Returns per entry its pages
+    [len(pos), len(depths)]."""
     need = sum(len(pos) * len(depths) for _, pos, depths in rows)
     if need > len(pool.free):
         raise PoolExhausted(f"need {need} KV pages, {len(pool.free)} of {pool.n_pages} free")
-    order = [(k, di, i) for i in range(max((len(pos) for _, pos, _ in rows), default=0))
+    order = [(k, i, di) for i in range(max((len(pos) for _, pos, _ in rows), default=0))
              for k, (_, pos, depths) in enumerate(rows) if i < len(pos) for di in range(len(depths))]
     taken = pool.alloc(need, [rows[k][0] for k, _, _ in order])
-    grid = [[[0] * len(pos) for _ in depths] for _, pos, depths in rows]
-    for (k, di, i), p in zip(order, taken):
-        grid[k][di][i] = p
-    return [[seq.alloc_depth(pos, d, torch.tensor(pages)) for d, pages in zip(depths, g)]
+    grid = [[[0] * len(depths) for _ in range(len(pos))] for _, pos, depths in rows]
+    for (k, i, di), p in zip(order, taken):
+        grid[k][i][di] = p
+    return [seq.alloc_depth(pos, depths, torch.tensor(g, dtype=torch.long).view(len(pos), len(depths)))
             for (seq, pos, depths), g in zip(rows, grid)]

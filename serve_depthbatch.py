@@ -231,18 +231,17 @@ class Engine:
         self._start_groups()
         batch = self._allocate()
         batch.sort(key=lambda gp: (len(gp[0].pos) > 1, gp[0].pos.tolist()[-1]))
-        for g, per_depth in batch:
-            for d, p in enumerate(per_depth, start=g.d):
-                g.live.seq.write_pages(g.pos, d, p)        # writes never go through an alias
+        for g, p in batch:
+            g.live.seq.write_pages(g.pos, range(g.d, g.d + p.shape[1]), p)   # writes never go through an alias
         groups = [g for g, _ in batch]
-        n_pass = len(batch[0][1]) if batch else 0
-        assert all(len(p) == n_pass for _, p in batch), "a fixed wave runs every group to the same depth"
+        n_pass = batch[0][1].shape[1] if batch else 0
+        assert all(p.shape[1] == n_pass for _, p in batch), "a fixed wave runs every group to the same depth"
         self.last_pass = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups]
         self.last_passes = n_pass
         self.stats["passes"] += n_pass
         self.stats["rows"] += n_pass * sum(len(g.pos) for g in groups)
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
-        return groups, [torch.cat([p[d] for _, p in batch]).to(self.device) for d in range(n_pass)]
+        return groups, [torch.cat([p[:, d] for _, p in batch]).to(self.device) for d in range(n_pass)]
 
     def _run_block(self, groups, pages):
         """One application of the block to every row: row r at position p_r and depth d_r writes
@@ -517,7 +516,7 @@ class Engine:
         rows take a page for every depth at once, and the step runs all their passes (Ouro's way:
         no row can exit early, and nothing joins a wave under way). The pages are taken in one piece
         (ragged.alloc_wave), so that a batch that starts together reads them in place. Returns
-        [(group, [pages per depth])]."""
+        [(group, its pages [rows, depths])]."""
         out, need = [], 0
         for s in list(self.running):
             g = s.group

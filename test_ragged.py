@@ -80,7 +80,8 @@ def test_a_wave_takes_its_pages_in_one_piece_position_by_position():
     pos = [s.extend(n) for s in seqs]
     pages = alloc_wave(pool, [(s, p, range(U)) for s, p in zip(seqs, pos)])
     for r, per_depth in enumerate(pages):
-        for d, pg in enumerate(per_depth):
+        assert per_depth.shape == (n, U)
+        for d, pg in enumerate(per_depth.T):
             assert pg.tolist() == [i * B * U + r * U + d for i in range(n)]
             assert torch.equal(seqs[r].table[:n, d], pg)
     for _ in range(2):                                  # decode positions, one per request
