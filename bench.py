@@ -427,7 +427,8 @@ def bench_engine(c):
     cfg, U = model.config, model.config.n_loops
     batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
     queue = c["workload"] != "batch" or c["capacity"]        # the queue's requests (and the capacity table's)
-    need = max(([2048 if c["full"] else 192] if queue else []) + ([640 if c["full"] else 96] if c["workload"] != "queue" else []))
+    need = ([2048 if c["full"] else 192] if queue else []) + ([640 if c["full"] else 96] if c["workload"] != "queue" else [])
+    need = max(need)                                          # the longest request: prompt + new tokens
     if need > cfg.block_size:
         raise UserError(f"--workload={c['workload']} --capacity={c['capacity']} needs a context of {need} tokens; the "
                         f"model has block_size={cfg.block_size} (--workload=batch --capacity=False needs the least)")
