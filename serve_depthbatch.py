@@ -497,6 +497,7 @@ class Engine:
         capacity, and a preempted request continues exactly as it would have). A token of s waiting
         for the shared head is sampled first; if it was the last one, s is done instead."""
         mine = [(p, h) for p, h, _ in self.pending if p is s]
+        s.waited += sum(w for p, _, w in self.pending if p is s)
         if mine:
             self.pending = [e for e in self.pending if e[0] is not s]
             self._sample(mine)
