@@ -159,17 +159,14 @@ class RaggedSeq:
 
     def alloc_depth(self, pos, d, pages=None):
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it), or for
-        every depth of a range d (a fixed wave runs them all: pages [len(pos), len(d)]); pages:
-        already taken from the pool for this sequence (alloc_wave). (write_pages refuses a page the
-        sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
+        every depth of a slice d (a fixed wave runs them all: pages [len(pos), depths], taken by
+        alloc_wave); pages: already taken from the pool for this sequence. (write_pages refuses a
+        page the sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
         self._live()
-        wave = isinstance(d, range)
         if pages is None:
-            pages = torch.tensor(self.pool.alloc(len(pos) * (len(d) if wave else 1), self), dtype=torch.long)
-            pages = pages.view(len(pos), len(d)) if wave else pages
-        cols = slice(d.start, d.stop) if wave else d
-        self.table[pos, cols] = pages
-        self.real[pos, cols] = True
+            pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
+        self.table[pos, d] = pages
+        self.real[pos, d] = True
         self.block_evals += pages.numel()
         return pages
 
@@ -192,10 +189,9 @@ class RaggedSeq:
             raise PageError("this sequence was released: its pages are freed and may belong to another")
 
     def write_pages(self, pos, d, pages):
-        """Check a K/V write of `pos` at depth d (or every depth of a range d, pages [len(pos), len(d)])."""
+        """Check a K/V write of `pos` at depth d (or every depth of a slice d, pages [len(pos), depths])."""
         self._live()
-        cols = slice(d.start, d.stop) if isinstance(d, range) else d
-        if not (self.real[pos, cols].all() and torch.equal(self.table[pos, cols], pages)):
+        if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
             raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
         if any(self.pool.owner[p] is not self for p in pages.flatten().tolist()):
             raise PageError("a K/V write to a freed page or one held by another sequence")
@@ -240,5 +236,5 @@ def alloc_wave(pool, rows):
     grid = [[[0] * len(depths) for _ in range(len(pos))] for _, pos, depths in rows]
     for (k, i, di), p in zip(order, taken):
         grid[k][i][di] = p
-    return [seq.alloc_depth(pos, depths, torch.tensor(g, dtype=torch.long).view(len(pos), len(depths)))
-            for (seq, pos, depths), g in zip(rows, grid)]
+    return [seq.alloc_depth(pos, slice(depths.start, depths.stop), torch.tensor(g, dtype=torch.long))
+            for (seq, pos, depths), g in zip(rows, grid)]                       # [len(pos), len(depths)] each

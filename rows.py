@@ -62,12 +62,8 @@ class RowsView:
         self.n_rows = pages.shape[0]
         self.parts = attention_parts(groups, impl, device)
         self.sizes = [lengths.shape[0] for _, lengths in self.parts]
-        # every layer reads the same tables with queries of the same shape: check them once per pass,
-        # and build the torch reference's gather list, mask or grid once per pass too
-        H, D = pool.k.shape[2], pool.k.shape[3]
-        for (ids, lengths), n in zip(self.parts, self.sizes):
-            if ids.dim() == 2:
-                check_inputs(torch.empty(n, H, D, device="meta"), pool.k[0], pool.v[0], ids, lengths)
+        # every layer reads the same tables with queries of the same shape: they are checked in the
+        # first layer, and the torch reference's gather list, mask or grid is built once per pass too
         self.plans = [gather_plan(ids, lengths, device) if impl == "torch" and ids.dim() == 2 else None
                       for ids, lengths in self.parts]
 
@@ -79,6 +75,10 @@ class RowsView:
         pool.writes += self.n_rows
         q = q[0].transpose(0, 1)                                 # [R, Hq, D]
         qs = q.split(self.sizes) if len(self.sizes) > 1 else [q]
+        if layer == 0:
+            for qp, (ids, lengths) in zip(qs, self.parts):
+                if ids.dim() == 2:
+                    check_inputs(qp, kl, vl, ids, lengths)
         ys = [paged_chunk_attention(qp, kl, vl, ids, lengths) if ids.dim() == 1 else
               attend_pages(qp, kl, vl, ids, lengths, self.impl, plan)
               for qp, (ids, lengths), plan in zip(qs, self.parts, self.plans)]

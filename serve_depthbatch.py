@@ -232,7 +232,7 @@ class Engine:
         batch = self._allocate()
         batch.sort(key=lambda gp: (len(gp[0].pos) > 1, gp[0].pos.tolist()[-1]))
         for g, p in batch:
-            g.live.seq.write_pages(g.pos, range(g.d, g.d + p.shape[1]), p)   # writes never go through an alias
+            g.live.seq.write_pages(g.pos, slice(g.d, g.d + p.shape[1]), p)   # writes never go through an alias
         groups = [g for g, _ in batch]
         n_pass = batch[0][1].shape[1] if batch else 0
         assert all(p.shape[1] == n_pass for _, p in batch), "a fixed wave runs every group to the same depth"
@@ -328,8 +328,9 @@ class Engine:
         if self.waiting:
             dear, limit = len(self.pending) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
         else:
-            end = max(self._passes_left(s) for s in self.running)
-            dear = self.w_head < self.w_block or any(self._passes_left(s) + w + 1 > end for s, _, w in self.pending)
+            left = {s: self._passes_left(s) for s in self.running}
+            end = max(left.values())
+            dear = self.w_head < self.w_block or any(left[s] + w + 1 > end for s, _, w in self.pending)
             limit = self.U
         if others and not dear and max(w for _, _, w in self.pending) < limit:
             return []
