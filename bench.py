@@ -247,11 +247,11 @@ def cost(U, weights, passes, head_calls, avg_depth):
                 ideal_cost=(U * wb + wh) / (avg_depth * wb + wh))
 
 
-def fixed_cost(model, n_new):
+def fixed_cost(U, weights, n_new):
     """The weights fixed@U (and the Ouro way) read for a fixed batch of n_new tokens each: U passes and
-    one head call per token."""
-    wb, wh = weight_bytes(model)
-    return n_new * (model.config.n_loops * wb + wh)
+    one head call per token. weights: (W_block, W_head)."""
+    wb, wh = weights
+    return n_new * (U * wb + wh)
 
 
 def head_schedule(rows, wb, wh, width=1000):
@@ -420,17 +420,17 @@ def batch_bench(model, c, thr, batches, bar, hf=None):
                         bar.update(B)
             best = {k: min(v, key=lambda r: r["seconds"]) for k, v in tries.items()}
             lanes, fixed = best[configs[0]], best[configs[1]]
-            ref, schedules = lanes["token_lists"], {}
+            ref, schedules, weights = lanes["token_lists"], {}, weight_bytes(model)
             for k, r in best.items():
                 same = sum(a == b for x, y in zip(r.pop("token_lists"), ref) for a, b in zip(x, y))
                 r.update(workload="batch", sampling=sampling, batch=B, ratio_vs_ouro=lanes["seconds"] / r["seconds"],
                          ratio_vs_fixed=fixed["seconds"] / r["seconds"], tokens_agree_with_ouro_way=same / (B * n_new))
-                rows = r.pop("token_rows", None)
-                if k[0] == "continuous":    # the head policies share their exits: one search per mode
-                    key = str(rows)
-                    if key not in schedules:
-                        schedules[key] = head_schedule(rows, *weight_bytes(model))
-                    r["ideal_schedule"] = fixed_cost(model, n_new) / schedules[key]
+                rows, r["ideal_schedule"] = r.pop("token_rows", None), 1.0   # fixed depth: one schedule
+                if k[0] == "continuous":    # the head policies change no exit: one search per mode
+                    if k[1] not in schedules:
+                        schedules[k[1]] = rows, head_schedule(rows, *weights)
+                    assert schedules[k[1]][0] == rows, "a head policy changed an exit"
+                    r["ideal_schedule"] = fixed_cost(model.config.n_loops, weights, n_new) / schedules[k[1]][1]
                 if hf is not None:
                     r["ratio_vs_ouro_code"] = best["ouro_code", "fixed", "-"]["seconds"] / r["seconds"]
                 runs.append(r)
@@ -465,7 +465,7 @@ def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0), hf=Non
                 tok_s=B * n_new / seconds, passes_total=e.stats["passes"], head_calls=e.stats["head_calls"],
                 rows_per_head_call=e.stats["head_rows"] / e.stats["head_calls"], avg_decode_depth=avg,
                 makespan_bound=makespan, **cost(U, weights, e.stats["passes"], e.stats["head_calls"], avg),
-                ideal_batch=fixed_cost(model, n_new) / (makespan * wb + n_new * wh),
+                ideal_batch=fixed_cost(U, weights, n_new) / (makespan * wb + n_new * wh),
                 token_lists=[r.tokens for r in reqs], token_rows=[[max(r.prompt_exits)] + r.decode_exits for r in reqs])
 
 
@@ -527,7 +527,7 @@ def targets(runs):
                     batch=r["batch"], mode=r["mode"], head=r["head"])
         if r["scheduler"] == "continuous":
             ideal = r["ideal_cost"] if r["workload"] == "queue" else r["ideal_batch"]
-            seen = {"of_schedule": r["ratio_vs_fixed"] / r["ideal_schedule"]} if "ideal_schedule" in r else {}
+            seen = {"of_schedule": r["ratio_vs_fixed"] / r["ideal_schedule"]} if r["workload"] == "batch" else {}
             out.append(dict(cell, of_ideal=r["ratio_vs_fixed"] / ideal, **seen, met=r["ratio_vs_fixed"] >= 0.9 * ideal))
             if r["workload"] == "batch":
                 out.append(dict(cell, vs_ouro=r["ratio_vs_ouro"], met=r["ratio_vs_ouro"] >= 1.3))
@@ -565,7 +565,7 @@ def print_bench(runs, capacity, pages, U):
         for r in batch:
             code = f"  x Ouro's code {r['ratio_vs_ouro_code']:.2f}" if "ratio_vs_ouro_code" in r else ""
             print(f"{r['sampling']:<9}{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
-                  f"{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}{r.get('ideal_schedule', 1.0):>7.2f}"
+                  f"{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}{r['ideal_schedule']:>7.2f}"
                   f"{r['avg_decode_depth']:>7.2f}"
                   f"{r['passes_total']:>8}{r['makespan_bound']:>9}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
                   f"{r['weight_gb']:>9.2f}{r['tokens_agree_with_ouro_way']:>7.2f}{code}", file=err)
