@@ -18,7 +18,8 @@ resolves each row's list through its request's table and calls
 
 Grouped-query attention when Hq is a multiple of Hkv (query head h reads K/V head h // (Hq/Hkv)).
 The rows of one prompt chunk read one shared key list; paged_chunk_attention(q, k_pages, v_pages,
-page_ids[maxlen], lengths) gathers it once (the engine's prefill path, checked against the above).
+page_ids[maxlen], lengths) gathers it once, and the chunks of requests whose rows sit at the same
+positions in one call (the engine's prefill path, checked against the above).
 Implementations, each checked against the first:
   torch   gather + masked SDPA: the reference, any device; rows whose pages lie on a regular grid
           (a batch that started together) are read through a strided view instead, no copy
@@ -114,24 +115,33 @@ def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None, pl
     return y[:, :, 0]
 
 
-def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
+def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, grid=None):
     """Rows that share one key list: a prompt (or replay) chunk of one request at one depth, whose
     rows all read through the same table column, row r the first lengths[r] entries of page_ids
     (1-D, [maxlen]). Equals paged_attention(q, k_pages, v_pages, page_ids.expand(R, -1), lengths),
     but gathers the keys once and runs one causal-shaped SDPA, instead of gathering a copy of the
-    keys for every row: prefill attention costs O(n + L) gathers, not O(n * L)."""
-    R, Hq, D = q.shape
-    Hkv, maxlen = k_pages.shape[1], page_ids.shape[0]
+    keys for every row: prefill attention costs O(n + L) gathers, not O(n * L).
+    page_ids [G, maxlen]: G such chunks whose rows sit at the same positions (the prompts of a
+    batch that starts together), q their G * len(lengths) rows chunk by chunk, in one SDPA call.
+    grid: grid_of(page_ids), when the caller found one (the engine looks once per pass): the keys
+    are then read in place, as a dense lane is, and every entry must be a valid page."""
+    Hq, D = q.shape[1:]
+    Hkv = k_pages.shape[1]
     ids = page_ids.to(q.device).long()
-    seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
-    ids = torch.where(seen, ids, 0)                                      # entries past every length: never read
-    k = k_pages.index_select(0, ids).transpose(0, 1)                      # [Hkv, maxlen, D]
-    v = v_pages.index_select(0, ids).transpose(0, 1)
+    ids = ids[None] if ids.dim() == 1 else ids                           # [G, maxlen]
+    (G, maxlen), T = ids.shape, lengths.shape[0]
+    if grid is not None:
+        k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)   # [G, Hkv, maxlen, D]
+    else:
+        seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
+        ids = torch.where(seen, ids, 0).reshape(-1)                     # entries past every length: never read
+        k = k_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
+        v = v_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
     if Hq != Hkv:
-        k, v = k.repeat_interleave(Hq // Hkv, dim=0), v.repeat_interleave(Hq // Hkv, dim=0)
-    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [R, maxlen]
-    y = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=valid[None], scale=scale)   # [Hq, R, D]
-    return y.transpose(0, 1)
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [T, maxlen]
+    y = F.scaled_dot_product_attention(q.view(G, T, Hq, D).transpose(1, 2), k, v, attn_mask=valid, scale=scale)
+    return y.transpose(1, 2).reshape(G * T, Hq, D)                       # [G, Hq, T, D] -> rows
 
 
 # ----------------------------------------------------------------------------- Triton (flash-decoding)

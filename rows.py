@@ -8,7 +8,7 @@ and when they stop; this file is what a row is and what one pass of the block re
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels import attend_pages, check_inputs, gather_plan, paged_chunk_attention
+from kernels import attend_pages, check_inputs, gather_plan, grid_of, paged_chunk_attention
 from model import at_least_fp32
 
 
@@ -52,20 +52,21 @@ class Group:
 class RowsView:
     """The attention hook of one engine step: every row writes its fresh page for this depth in
     every layer, then (all writes first) each row reads keys 0..its position through its own
-    request's table column at its own depth (Eq. 7 through Eq. 11). parts: (page_ids, lengths) for
-    consecutive rows; a 2-D page_ids is a kernels.paged_attention call (decode rows, one per
-    request, in one or two tables), a 1-D one a prompt chunk whose rows share their keys
-    (kernels.paged_chunk_attention)."""
+    request's table column at its own depth (Eq. 7 through Eq. 11). parts: (kind, page_ids,
+    lengths) for consecutive rows, from attention_parts: "rows" is a kernels.paged_attention call
+    (decode rows, one per request), "chunks" one kernels.paged_chunk_attention call (prompt chunks
+    whose rows share their request's keys)."""
 
     def __init__(self, pool, pages, groups, impl, device):
         self.pool, self.pages, self.impl = pool, pages, impl
         self.n_rows = pages.shape[0]
         self.parts = attention_parts(groups, impl, device)
-        self.sizes = [lengths.shape[0] for _, lengths in self.parts]
+        self.sizes = [lengths.shape[0] * (ids.shape[0] if kind == "chunks" else 1) for kind, ids, lengths in self.parts]
         # every layer reads the same tables with queries of the same shape: they are checked in the
         # first layer, and the torch reference's gather list, mask or grid is built once per pass too
-        self.plans = [gather_plan(ids, lengths, device) if impl == "torch" and ids.dim() == 2 else None
-                      for ids, lengths in self.parts]
+        self.plans = [grid_of(ids) if kind == "chunks" else
+                      gather_plan(ids, lengths, device) if impl == "torch" else None
+                      for kind, ids, lengths in self.parts]
 
     def attend(self, layer, q, k, v):
         pool = self.pool
@@ -76,12 +77,12 @@ class RowsView:
         q = q[0].transpose(0, 1)                                 # [R, Hq, D]
         qs = q.split(self.sizes) if len(self.sizes) > 1 else [q]
         if layer == 0:
-            for qp, (ids, lengths) in zip(qs, self.parts):
-                if ids.dim() == 2:
+            for qp, (kind, ids, lengths) in zip(qs, self.parts):
+                if kind == "rows":
                     check_inputs(qp, kl, vl, ids, lengths)
-        ys = [paged_chunk_attention(qp, kl, vl, ids, lengths) if ids.dim() == 1 else
+        ys = [paged_chunk_attention(qp, kl, vl, ids, lengths, grid=plan) if kind == "chunks" else
               attend_pages(qp, kl, vl, ids, lengths, self.impl, plan)
-              for qp, (ids, lengths), plan in zip(qs, self.parts, self.plans)]
+              for qp, (kind, ids, lengths), plan in zip(qs, self.parts, self.plans)]
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
 
@@ -89,9 +90,11 @@ def attention_parts(groups, attn, device):
     """What each row reads: entries 0..its position of its request's table column at its depth.
     Column d holds A_d[j] = P_{j, min(d, e_j)} (Eq. 11), so reading it is reading every earlier
     token j at depth min(d, e_j): Eq. 7 without any per-row depth logic. The one-row groups
-    (decode tokens) go in padded [rows, maxlen] tables; each longer group (a prompt chunk) keeps
-    its one shared list, so that prompt rows are not padded to the longest decode row nor
-    gathered once per row. Flex takes every row at once."""
+    (decode tokens) go in padded [rows, maxlen] tables ("rows"); each longer group (a prompt chunk)
+    keeps its one shared list, so that prompt rows are not padded to the longest decode row nor
+    gathered once per row, and consecutive chunks whose rows sit at the same positions (the prompts
+    of a batch that starts together) stack their lists for one call ("chunks", [G, n]). Flex takes
+    every row at once."""
     flat = groups if attn == "flex" else [g for g in groups if len(g.pos) == 1]
     ends = [g.pos.tolist()[-1] + 1 for g in flat]        # keys of each group's last (longest) row
     parts = []
@@ -100,10 +103,17 @@ def attention_parts(groups, attn, device):
         cols = [g.live.seq.table[:n_keys, g.d] for g, n_keys in zip(flat[lo:hi], ends[lo:hi])
                 for _ in range(len(g.pos))]                                   # column d (Eq. 11), per row
         page_ids = pad_sequence(cols, batch_first=True, padding_value=-1)    # -1: past the row's keys
-        parts.append((page_ids.to(device), (pos + 1).to(device)))
+        parts.append(("rows", page_ids.to(device), (pos + 1).to(device)))
+    chunks = []                                                               # runs of chunks at equal positions
     for g in groups[len(flat):]:
-        n_keys = g.pos.tolist()[-1] + 1
-        parts.append((g.live.seq.table[:n_keys, g.d].to(device), (g.pos + 1).to(device)))
+        if chunks and torch.equal(chunks[-1][-1].pos, g.pos):
+            chunks[-1].append(g)
+        else:
+            chunks.append([g])
+    for run in chunks:
+        n_keys = run[0].pos.tolist()[-1] + 1
+        page_ids = torch.stack([g.live.seq.table[:n_keys, g.d] for g in run])   # [G, n_keys]
+        parts.append(("chunks", page_ids.to(device), (run[0].pos + 1).to(device)))
     return parts
 
 

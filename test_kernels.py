@@ -74,6 +74,33 @@ def test_chunk_attention_equals_a_float64_loop_over_the_shared_list(R, Hq, Hkv, 
         assert torch.allclose(out, loop_reference(q, k, v, ids.expand(R, -1), lengths, scale), atol=1e-12, rtol=0)
 
 
+def test_stacked_chunks_at_the_same_positions_equal_the_loop_in_one_call():
+    """G chunks whose rows sit at the same positions (the prompts of a batch that starts together)
+    go in one call, page_ids [G, maxlen]: each chunk's rows equal the float64 loop over its own list,
+    gathered or, when the lists lie on a grid of the pool (grid_of), read in place."""
+    for _ in range(6):
+        G, Hq, Hkv, D = random.randint(1, 5), 4, random.choice([1, 2, 4]), 16
+        start, T = random.randint(0, 9), random.randint(1, 8)
+        n = start + T
+        lengths = torch.arange(start, n) + 1                                # a chunk at positions start..n-1
+        U, base = random.randint(1, 4), random.randint(0, 7)
+        grid = base + U * torch.arange(G)[:, None] + G * U * torch.arange(n)[None, :]   # ragged.alloc_wave's layout
+        P = int(grid.max()) + 1 + random.randint(0, 5)
+        q = torch.randn(G * T, Hq, D, dtype=torch.float64)
+        k, v = torch.randn(P, Hkv, D, dtype=torch.float64), torch.randn(P, Hkv, D, dtype=torch.float64)
+        scattered = torch.stack([torch.randperm(P)[:n] for _ in range(G)])
+        scale = random.choice([None, 0.3])
+        for ids in (grid, scattered):
+            ref = torch.cat([loop_reference(q[g * T:(g + 1) * T], k, v, ids[g].expand(T, -1), lengths, scale)
+                             for g in range(G)])
+            found = grid_of(ids)
+            if ids is grid:
+                assert found == (base, U if G > 1 else 0, G * U if n > 1 else 1)
+            for plan in {None, found}:
+                out = paged_chunk_attention(q, k, v, ids, lengths, scale, grid=plan)
+                assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+
+
 def test_rows_on_a_grid_of_pages_are_read_in_place_and_equal_the_loop():
     """Tables with page(r, j) = base + r*s_r + j*s_j (a batch that started together) are found, read
     through a strided view of the pool, and give what the float64 loop gives; one entry off the

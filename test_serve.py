@@ -164,17 +164,20 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
 def test_a_fixed_batch_that_starts_together_reads_its_pages_in_place(monkeypatch):
     """B requests with prompts of one length and as many new tokens, all admitted in the first step
     (sample.py's samples, the bench's fixed batch): every decode pass finds its rows' pages on a grid
-    (kernels.grid_of) and reads them without a gather, and every request still equals the dense
-    lanes, logits included."""
+    (kernels.grid_of) and reads them without a gather, the prompt pass as one chunk call of all B
+    prompts, and every request still equals the dense lanes, logits included."""
     import kernels
+    import rows
     model, B = varied_model(), random.randint(2, 5)
     n, m = random.randint(3, 8), random.randint(3, 7)
     reqs = [Request(prompt(n), m, "fixed", keep_logits=True) for _ in range(B)]
     found = []
-    spy = lambda ids, real=kernels.grid_of: found.append(real(ids)) or found[-1]
+    spy = lambda ids, real=kernels.grid_of: found.append((tuple(ids.shape), real(ids))) or found[-1][1]
     monkeypatch.setattr(kernels, "grid_of", spy)
+    monkeypatch.setattr(rows, "grid_of", spy)
     Engine(model, 2000, max_batch=B, max_rows=B * n, scheduler="fixed").run(reqs)
-    assert found and all(g is not None for g in found)
+    assert found and all(g is not None for _, g in found)
+    assert [shape for shape, _ in found[:U]] == [(B, n)] * U       # the prompt pass: depth by depth, B chunks at once
     for r in reqs:
         tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", U)
         full = torch.tensor([r.prompt + r.tokens[:-1]])
