@@ -127,19 +127,18 @@ def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, gr
     are then read in place, as a dense lane is, and every entry must be a valid page."""
     Hq, D = q.shape[1:]
     Hkv = k_pages.shape[1]
-    ids = page_ids.to(q.device).long()
-    ids = ids[None] if ids.dim() == 1 else ids                           # [G, maxlen]
-    (G, maxlen), T = ids.shape, lengths.shape[0]
+    (G, maxlen), T = (page_ids.shape if page_ids.dim() == 2 else (1, page_ids.shape[0])), lengths.shape[0]
+    lengths = lengths.to(q.device)
     if grid is not None:
         k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)   # [G, Hkv, maxlen, D]
     else:
-        seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
-        ids = torch.where(seen, ids, 0).reshape(-1)                     # entries past every length: never read
+        seen = torch.arange(maxlen, device=q.device) < lengths.max()
+        ids = torch.where(seen, page_ids.to(q.device).long(), 0).reshape(-1)   # entries past every length: never read
         k = k_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
         v = v_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
     if Hq != Hkv:
         k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [T, maxlen]
+    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths[:, None]    # [T, maxlen]
     y = F.scaled_dot_product_attention(q.view(G, T, Hq, D).transpose(1, 2), k, v, attn_mask=valid, scale=scale)
     return y.transpose(1, 2).reshape(G * T, Hq, D)                       # [G, Hq, T, D] -> rows
 
