@@ -54,17 +54,36 @@ class Request:
         return self.exits[len(self.prompt) - 1:len(self.prompt) - 1 + len(self.tokens)]
 
 
-def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
-    """logits (V,) -> one token id. temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
-    if temperature == 0:
-        return int(logits.argmax())
+def sample_set(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """What a sampled token is drawn from: (ids, probs) of the tokens it may be, most likely first
+    under top_p. temperature > 0 scales the logits; top_k 0 = off (else the k most likely, ties at
+    the k-th kept); top_p 1 = off (else the nucleus: the smallest prefix of the tokens sorted by
+    probability whose mass reaches top_p, each token kept while the mass before it is short of
+    top_p). The nucleus is usually a small part of a real vocabulary, so it is found among the 64
+    most likely tokens, then 4x as many while their mass falls short: the set that sorting the whole
+    vocabulary gives (test_model.py checks it against that), without the sort, which costs as much
+    as a block pass on a 50,257-word vocabulary."""
     logits = logits.double() / temperature
-    if top_k and top_k < logits.numel():
+    V = logits.numel()
+    if top_k and top_k < V:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted probs whose mass reaches top_p
-        sp, si = torch.sort(probs, descending=True)
-        drop = (sp.cumsum(0) - sp) >= top_p
-        probs = torch.zeros_like(probs).scatter(0, si, sp.masked_fill(drop, 0.0))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if top_p >= 1.0:
+        return torch.arange(V), probs
+    n = 64
+    while True:
+        p, ids = torch.topk(probs, min(n, V))            # the n most likely, largest first
+        mass = p.cumsum(0)
+        if n >= V or mass[-1] >= top_p:                   # every later token has top_p before it: dropped
+            keep = (mass - p) < top_p
+            return ids[keep], p[keep]
+        n *= 4
+
+
+def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None):
+    """logits (V,) -> one token id. temperature 0 = greedy; else a draw from sample_set."""
+    if temperature == 0:
+        return int(logits.argmax())
+    ids, probs = sample_set(logits, temperature, top_k, top_p)
+    return int(ids[torch.multinomial(probs, 1, generator=generator)])

@@ -6,7 +6,7 @@ import torch
 
 from conftest import random_model
 from model import GPTConfig, LoopedLM, exit_cdf, exit_now, exit_pdf, generate, sample_exit, threshold_exit
-from request import sample_token
+from request import sample_set, sample_token
 
 
 def brute_pdf(lam):
@@ -131,15 +131,42 @@ def test_ouro_mode_extremes_reproduce_fixed_depths():
     assert generate(model, prompt, 12, "ouro", thr=1.0)[0] == generate(model, prompt, 12, "fixed", 4)[0]
 
 
-def test_sample_token_top_k_top_p():
+def nucleus_by_sort(logits, temperature, top_k, top_p):
+    """The slow reference of request.sample_set: mask to the top k, softmax, sort the whole vocabulary."""
+    logits = logits.double() / temperature
+    if top_k and top_k < logits.numel():
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[-1], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p >= 1.0:                                   # no nucleus: every token, masked ones at probability 0
+        return dict(enumerate(probs.tolist()))
+    sp, si = torch.sort(probs, descending=True)
+    keep = (sp.cumsum(0) - sp) < top_p
+    return dict(zip(si[keep].tolist(), sp[keep].tolist()))
+
+
+@pytest.mark.parametrize("V,scale", [(5, 1.0), (300, 0.1), (5000, 0.05), (50257, 3.0)])
+def test_sample_set_equals_sorting_the_vocabulary(V, scale):
+    """Fresh logits, flat (a nucleus of thousands: the search widens) and peaked: the same tokens with
+    the same probabilities as the full sort, for top-p alone, with top-k, and top-p off."""
+    for _ in range(4):
+        logits = torch.randn(V) * scale
+        temperature, top_p = float(torch.rand(()) * 1.5 + 0.2), float(torch.rand(()) * 0.98 + 0.01)
+        for top_k, p in [(0, top_p), (int(torch.randint(1, V + 2, ())), top_p), (0, 1.0)]:
+            ids, probs = sample_set(logits, temperature, top_k, p)
+            ref = nucleus_by_sort(logits, temperature, top_k, p)
+            assert sorted(ids.tolist()) == sorted(ref) and len(ids) == len(set(ids.tolist()))
+            assert all(math.isclose(q, ref[i], rel_tol=0, abs_tol=1e-15) for i, q in zip(ids.tolist(), probs.tolist()))
+
+
+def test_sample_token_draws_only_from_the_set_and_all_of_it():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     gen = torch.Generator().manual_seed(0)
     assert sample_token(logits, 0) == 0
-    picks = {sample_token(logits, 1.0, 2, 1.0, gen) for _ in range(300)}
-    assert picks == {0, 1}
+    assert {sample_token(logits, 1.0, 2, 1.0, gen) for _ in range(300)} == {0, 1}
     p = torch.softmax(logits.double(), 0)
-    # top-p 0.8: the smallest prefix reaching 0.8 mass
-    k = int((p.cumsum(0) < 0.8).sum()) + 1
-    picks = {sample_token(logits, 1.0, 0, 0.8, gen) for _ in range(500)}
-    assert picks == set(range(k))
-    assert math.isclose(float(p[:k].sum()), float(p[:k].sum()))
+    k = int((p.cumsum(0) < 0.8).sum()) + 1             # top-p 0.8: the smallest prefix reaching 0.8 mass
+    assert k == 2 and float(p[:k - 1].sum()) < 0.8 <= float(p[:k].sum())
+    assert {sample_token(logits, 1.0, 0, 0.8, gen) for _ in range(500)} == set(range(k))
+    # the same seed draws the same tokens
+    draw = lambda: [sample_token(logits, 1.0, 0, 0.95, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert draw() == draw()
