@@ -10,7 +10,6 @@ terminal page (Eq. 11). Physical rows are exactly Σ e_i. The engine in serve_de
 fresh pages and reads through the tables (kernels.paged_attention). The Table 17 baselines reuse
 the same tables (RaggedSeq.collapse keeps one depth per token).
 """
-import heapq
 import os
 
 import torch
@@ -91,8 +90,7 @@ class PagePool:
         self.n_pages = n_pages
         self.k = torch.zeros(n_layer, n_pages, n_kv_head, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.free = list(range(n_pages))             # a min-heap: the lowest free ids go first, so that
-                                                     # pages freed together come back in one stretch
+        self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.owner = [None] * n_pages                 # which sequence holds each page
         self.peak = 0
         self.writes = 0
@@ -110,7 +108,7 @@ class PagePool:
         """n free pages, lowest ids first, for `owner` (a sequence, or a list of n: one per page)."""
         if n > len(self.free):
             raise PoolExhausted(f"need {n} KV pages, {len(self.free)} of {self.n_pages} free")
-        pages = [heapq.heappop(self.free) for _ in range(n)]
+        pages = [self.free.pop() for _ in range(n)]
         for p, o in zip(pages, owner if isinstance(owner, list) else [owner] * n):
             self.owner[p] = o
         self.peak = max(self.peak, self.used)
@@ -125,7 +123,7 @@ class PagePool:
             raise PageError("the same page released twice in one call")
         for p in pages:
             self.owner[p] = None
-            heapq.heappush(self.free, p)
+            self.free.append(p)
 
     def check(self):
         """Invariants: every page is free xor owned; the free list has no duplicates."""
@@ -150,18 +148,6 @@ class RaggedSeq:
         self.n = 0              # positions so far
         self.block_evals = 0    # token-depth block applications executed
         self.released = False
-        self.lanes = None       # [positions, depths] pages held from the start (reserve), if any
-
-    def reserve(self, n, depths):
-        """Hold, from now on, a page for each of the first n positions at each of the first `depths`
-        depths, laid out lane by lane: position j at depth d gets the d*n + j-th page taken, so that
-        on a fresh stretch of the pool each depth's keys lie in consecutive pages, as in Ouro's dense
-        lanes, and the requests of a batch reserved one after another lie on a grid that the
-        attention reads in place (kernels.grid_of). For a fixed-depth request, whose tokens never
-        exit early: its pages are known at admission. alloc_depth then takes these."""
-        self._live()
-        pages = torch.tensor(self.pool.alloc(n * depths, self), dtype=torch.long)
-        self.lanes = pages.view(depths, n).T                  # [n, depths]
 
     def extend(self, T):
         self._live()
@@ -178,8 +164,7 @@ class RaggedSeq:
         page the sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
         self._live()
         if pages is None:
-            pages = self.lanes[pos, d] if self.lanes is not None else \
-                torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
+            pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
         self.table[pos, d] = pages
         self.real[pos, d] = True
         self.block_evals += pages.numel()
@@ -211,15 +196,10 @@ class RaggedSeq:
         if any(self.pool.owner[p] is not self for p in pages.flatten().tolist()):
             raise PageError("a K/V write to a freed page or one held by another sequence")
 
-    def held(self):
-        """Pages this sequence holds: its reserved lanes, or else its real pages."""
-        return self.lanes.numel() if self.lanes is not None else int(self.real[:self.n].sum())
-
     def release(self):
-        """Return every page this sequence owns (reserved ones not yet written included)."""
+        """Return every page this sequence owns."""
         if not self.released:
-            held = self.lanes.flatten() if self.lanes is not None else self.table[:self.n][self.real[:self.n]]
-            self.pool.release(held.tolist(), self)
+            self.pool.release(self.table[:self.n][self.real[:self.n]].tolist(), self)
             self.released = True
 
     def stats(self):
@@ -236,29 +216,25 @@ class RaggedSeq:
         assert all(self.pool.owner[p] is self for p in pages), "table points to a page not held"
         real = t[r].tolist()
         assert len(set(real)) == len(real), "a page owned twice"
-        if self.lanes is not None:
-            assert set(real) <= set(self.lanes.flatten().tolist()), "a page taken outside the reserved lanes"
-        assert sum(o is self for o in self.pool.owner) == self.held(), "a leaked page"
+        assert sum(o is self for o in self.pool.owner) == len(real), "a leaked page"
 
 
 def alloc_wave(pool, rows):
-    """The pages of a step in one piece: rows = [(seq, pos, depths)], each request's rows and the
-    range of depths they run (one, or all of a fixed wave's). A sequence with reserved lanes takes
-    its own; the others' are taken position by position across the requests, depth innermost
-    ([row i][request][depth]), so that prompts that start together on a fresh stretch of the pool
-    get at every depth a regular grid of pages, page(request r, position j) = base + r*s_r + j*s_j,
-    which the attention reads in place (kernels.gather_plan). All or nothing: PoolExhausted leaves
-    every sequence unchanged. Returns per entry its pages [len(pos), len(depths)]."""
-    fresh = [k for k, (seq, _, _) in enumerate(rows) if seq.lanes is None]
-    need = sum(len(rows[k][1]) * len(rows[k][2]) for k in fresh)
+    """The pages of a fixed wave in one piece: rows = [(seq, pos, depths)], each request's rows and
+    the range of depths they run. Taken position by position across the requests, depth innermost
+    ([row i][request][depth]): requests that start together on a fresh stretch of the pool get at
+    every depth a regular grid of pages, page(request r, position j) = base + r*s_r + j*s_j, which
+    the attention reads in place, as Ouro's dense lanes are read (kernels.gather_plan). All or
+    nothing: PoolExhausted leaves every sequence unchanged. Returns per entry its pages
+    [len(pos), len(depths)]."""
+    need = sum(len(pos) * len(depths) for _, pos, depths in rows)
     if need > len(pool.free):
         raise PoolExhausted(f"need {need} KV pages, {len(pool.free)} of {pool.n_pages} free")
-    order = [(k, i, di) for i in range(max((len(rows[k][1]) for k in fresh), default=0))
-             for k in fresh if i < len(rows[k][1]) for di in range(len(rows[k][2]))]
+    order = [(k, i, di) for i in range(max((len(pos) for _, pos, _ in rows), default=0))
+             for k, (_, pos, depths) in enumerate(rows) if i < len(pos) for di in range(len(depths))]
     taken = pool.alloc(need, [rows[k][0] for k, _, _ in order])
-    grid = {k: [[0] * len(rows[k][2]) for _ in range(len(rows[k][1]))] for k in fresh}
+    grid = [[[0] * len(depths) for _ in range(len(pos))] for _, pos, depths in rows]
     for (k, i, di), p in zip(order, taken):
         grid[k][i][di] = p
-    return [seq.alloc_depth(pos, slice(depths.start, depths.stop),
-                            torch.tensor(grid[k], dtype=torch.long) if k in grid else None)   # None: its lanes
-            for k, (seq, pos, depths) in enumerate(rows)]                         # [len(pos), len(depths)] each
+    return [seq.alloc_depth(pos, slice(depths.start, depths.stop), torch.tensor(g, dtype=torch.long))
+            for (seq, pos, depths), g in zip(rows, grid)]                       # [len(pos), len(depths)] each

@@ -91,22 +91,8 @@ def n_run(r, U):
     return (r.depth or U) if r.mode == "fixed" else U
 
 
-def holds_lanes(r):
-    """A fixed-depth request holds its dense lanes from admission (RaggedSeq.reserve): every position
-    it will run at each of its depths. Its tokens never exit early, so what it needs is known, and
-    the lanes are laid out so that a batch admitted together reads them in place, as Ouro's are."""
-    return r.mode == "fixed"
-
-
-def lane_pages(r, U):
-    """The pages of a request's lanes: every position it runs (all but the last token) at every depth."""
-    return (len(r.prompt) + r.max_tokens - 1) * n_run(r, U)
-
-
 def min_pages(r, U):
     """Pages a request needs even with every token exiting as early as it can."""
-    if holds_lanes(r):
-        return lane_pages(r, U)
     prompt_full = MODES[r.mode]["prompt"][0] == "never" or MODES[r.mode]["prompt"][1]
     return len(r.prompt) * (n_run(r, U) if prompt_full else 1) + max(r.max_tokens - 1, 0)
 
@@ -443,20 +429,14 @@ class Engine:
             return avail                    # one decode token: always runs
         return min(avail, start + budget) if budget > 0 else None
 
-    def _takes(self, s, n_rows):
-        """Pages that n_rows new rows of s may take from the pool: one per depth each may run; none
-        for a request in its own lanes, all of its lanes for one being admitted."""
-        if holds_lanes(s.req):
-            return 0 if s.seq is not None else lane_pages(s.req, self.U)
-        return n_rows * n_run(s.req, self.U)
-
     def _fit(self, s, end, free):
-        """A chunk that needs more than the free pages starts smaller; None: it waits (nothing fits,
-        a request's lanes do not fit, or a Table 17 prompt, which runs whole)."""
-        if self._takes(s, end - s.done) <= free:
+        """A chunk that needs more than the free pages (a row takes one per depth it may run) starts
+        smaller; None: it waits (nothing fits, or a Table 17 prompt, which runs whole)."""
+        depths = n_run(s.req, self.U)
+        if (end - s.done) * depths <= free:
             return end
-        end = s.done + max(free // n_run(s.req, self.U), 0)
-        return None if end <= s.done or self._keeps(s.req) or holds_lanes(s.req) else end
+        end = s.done + max(free // depths, 0)
+        return None if end <= s.done or self._keeps(s.req) else end
 
     def _start_groups(self):
         """Give every running request without rows its next group, and admit waiting requests,
@@ -466,8 +446,7 @@ class Engine:
         if self.scheduler == "nested" and in_flight:
             return
         rows = sum(len(s.group.pos) for s in in_flight)
-        free = len(self.pool.free) - sum(len(s.group.pos) for s in in_flight  # an in-flight row takes a
-                                         if s.seq.lanes is None)                 # page this step, but in its lanes
+        free = len(self.pool.free) - rows                   # every in-flight row takes a page this step
         started, wave = False, None
         joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
         for s in list(self.running):
@@ -479,7 +458,7 @@ class Engine:
                     continue
                 s.group = self._new_group(s, end)
                 rows += end - s.done
-                free -= self._takes(s, end - s.done)
+                free -= (end - s.done) * n_run(s.req, self.U)
                 started, wave = True, n_run(s.req, self.U)
         while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
             s = self.waiting[0]
@@ -492,13 +471,11 @@ class Engine:
             if end is None:
                 break
             self.waiting.popleft()
-            free -= self._takes(s, end - s.done)
             s.seq = RaggedSeq(self.pool, self.U, len(s.req.prompt) + s.req.max_tokens)
-            if holds_lanes(s.req):
-                s.seq.reserve(len(s.req.prompt) + s.req.max_tokens - 1, n_run(s.req, self.U))
             self.running.append(s)
             s.group = self._new_group(s, end)
             rows += end - s.done
+            free -= (end - s.done) * n_run(s.req, self.U)
             started, wave = True, n_run(s.req, self.U)
         if not started and not in_flight and self.running and not self.pending:
             # Nothing can start: the pages are held by requests that need more. Free the newest.
@@ -548,11 +525,10 @@ class Engine:
             if g is None:
                 continue
             depths = range(g.d, g.n_run if self.scheduler == "fixed" else g.d + 1)
-            n = 0 if s.seq.lanes is not None else len(g.pos) * len(depths)
             while s in self.running and s.group is g:      # all of a group's pages or none
-                if need + n <= len(self.pool.free):
+                if need + len(g.pos) * len(depths) <= len(self.pool.free):
                     out.append((g, depths))
-                    need += n
+                    need += len(g.pos) * len(depths)
                     break
                 self._evict(self.running[-1])
         out = [(g, depths) for g, depths in out if g.live.group is g]
@@ -590,7 +566,7 @@ class Engine:
         for s in self.running:      # the running decode depth that _passes_left reads, against a recount
             dec = s.req.exits[len(s.req.prompt):]
             assert s.decode_depths == [sum(dec), len(dec)], (s.decode_depths, dec)
-        held = sum(s.seq.held() for s in self.running)
+        held = sum(int(s.seq.real[:s.seq.n].sum()) for s in self.running)
         assert held == self.pool.used, f"{self.pool.used} pages used, {held} held by running requests"
 
 

@@ -12,7 +12,7 @@ from configurator import UserError
 from conftest import U, alone, assert_same, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
 from request import Request
-from serve_depthbatch import MODES, Engine, lane_pages
+from serve_depthbatch import MODES, Engine
 
 
 def random_request(rng, modes=("fixed", "ouro", "dense_ragged", "ete_ragged")):
@@ -130,19 +130,17 @@ def test_threshold_extremes_reproduce_fixed_depths():
 @pytest.mark.parametrize("kv_pages", [2000, 110])
 def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
     """The fixed scheduler runs waves: each step takes its rows through all their passes (U, or a
-    fixed request's own depth; one depth per wave), nothing joins a wave under way; every request
-    holds its lanes from admission (exactly its lane pages, never preempted), and in a pool too small
-    for two of them the second waits for the first. With staggered arrivals every request equals
-    the dense lanes at its depth, token for token."""
+    fixed request's own depth; one depth per wave), nothing joins a wave under way; with staggered
+    arrivals and a pool that forces preemption (pages for every depth taken at the wave's start),
+    every request equals the dense lanes at its depth, token for token."""
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     modes = ["ete_ragged", "ouro", "fixed", "fixed", "fixed"]
-    reqs = [Request(prompt(9), 9, "fixed", depth=U, keep_logits=True) for _ in range(2)] + [
-        Request(prompt(rng.randint(5, 9)), rng.randint(4, 9), rng.choice(modes), 0.3, depth=rng.randint(0, U),
-                keep_logits=True) for _ in range(4)]                       # the first two: 68 lane pages each
+    reqs = [Request(prompt(rng.randint(5, 9)), rng.randint(4, 9), rng.choice(modes), 0.3, depth=rng.randint(0, U),
+                    keep_logits=True) for _ in range(6)]
     depth = [(r.depth if r.mode == "fixed" else 0) or U for r in reqs]
     e = engine(model, kv_pages, head, max_batch=4, scheduler="fixed")
-    todo, steps, waited = list(reqs), 0, False
+    todo, steps = list(reqs), 0
     while todo or e.busy():
         for r in [r for r in todo if steps >= reqs.index(r) * 2]:
             e.add(r)
@@ -152,10 +150,8 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
         e.check()
         assert e.stats["passes"] - passes == e.last_passes                 # a whole wave, or nothing,
         assert {depth[reqs.index(r)] for r, _, _ in e.last_pass} <= {e.last_passes}   # of one depth
-        assert e.pool.used == sum(lane_pages(s.req, U) for s in e.running) and e.stats["preemptions"] == 0
-        waited |= bool(e.waiting) and len(e.running) < 4 and len(e.pool.free) < lane_pages(e.waiting[0].req, U)
         steps += 1
-    assert e.pool.used == 0 and waited == (kv_pages < 136)
+    assert e.pool.used == 0 and (kv_pages > 1000 or e.stats["preemptions"] > 0)
     assert e.stats["rows"] == sum(r.kv["block_evals"] for r in reqs)
     for r, d in zip(reqs, depth):
         tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", d)
@@ -220,10 +216,8 @@ def test_a_request_that_can_never_fit_is_rejected_and_nothing_else_moves():
     assert [s.req for s in e.waiting] == [ok]
     e.run([])
     assert ok.finish_reason == "length" and e.pool.used == 0
-    with pytest.raises(UserError, match="needs at least 136 KV pages"):  # a fixed request: its lanes, 34 x U
-        e.add(Request(prompt(5), 30, "fixed"))
     # fits the lower bound, not the worst case: alone, it fails cleanly when the pool runs dry
-    bad = Request(prompt(5), 30, "ouro", 0.5)          # every token runs on to depth U
+    bad = Request(prompt(5), 30, "fixed", 0.5)
     e.run([bad])
     assert bad.finish_reason == "error" and "KV pages" in bad.error and e.pool.used == 0
 
