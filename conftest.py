@@ -54,10 +54,10 @@ def prompt(n):
 
 
 def chase(facts, name):
-    """Brute force over a pointer item's facts (`Dc C7`: each name defined in capitals, its value
-    after it, a pointer's value in small letters): the digit the chain from `name` ends at, and the
-    look-ups it takes."""
-    env = {f[0]: f[1] for f in facts}
+    """Brute force over a pointer item's facts (`Dc C7`, or `dc c7` in hops: each name defined first,
+    its value after it, a pointer's value in small letters): the digit the chain from the capital
+    `name` ends at, and the look-ups it takes."""
+    env = {f[0].upper(): f[1] for f in facts}
     hops, v = 1, name
     while not env[v].isdigit():
         v, hops = env[v].upper(), hops + 1

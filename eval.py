@@ -47,7 +47,7 @@ from tokenizer import IM_END, chat_ids, check_chat
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums) or "pointer" (look-ups after the query)
+    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums), "pointer" or "hops" (look-ups after the query)
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
@@ -77,7 +77,7 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+RULES = dict(builtin=["", "synthetic", "pointer", "hops"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed=SEED_RULE,
              dtype=list(DTYPES),
@@ -158,12 +158,13 @@ def check_item(item, where):
 
 def builtin_items(kind, per_level, seed):
     """Held-out generation items from prepare_data's generators (another seed than the training
-    text), difficulty 1..4, scored by the completion's first character (the models learn raw text,
-    not a question format). kind "synthetic": k-hop chains and digit sums; "pointer": look-ups that
-    start after the query (the dataset of the same name)."""
+    text), difficulty 1..4, scored by the completion's first token (the models learn raw text, not a
+    question format). kind "synthetic": k-hop chains and digit sums; "pointer" and "hops": look-ups
+    that start after the query (the datasets of the same names)."""
     import prepare_data
     rng = random.Random(seed + 10_000)
-    makers = [prepare_data._chain, prepare_data._digit_sum] if kind == "synthetic" else [prepare_data._pointer]
+    makers = {"synthetic": [prepare_data._chain, prepare_data._digit_sum], "pointer": [prepare_data._pointer],
+              "hops": [prepare_data._hops]}[kind]
     items, count = [], {}
     while len(items) < 4 * len(makers) * per_level:
         maker = rng.choice(makers)
@@ -175,7 +176,7 @@ def builtin_items(kind, per_level, seed):
             continue
         count[key] = count.get(key, 0) + 1
         items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
-                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, "pointer")})
+                      "difficulty": level, "kind": maker.__name__.strip("_").replace("digit_", "")})
     return items
 
 

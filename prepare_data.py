@@ -2,6 +2,7 @@
 Datasets -> data/<name>/{train,val}.bin (uint16 token ids, as nanoGPT) + meta.json.
 
     python prepare_data.py                                  # synthetic (default, offline)
+    python prepare_data.py --dataset=pointer|hops           # look-ups after the query (below)
     python prepare_data.py --dataset=shakespeare_char [--input=FILE]
     python prepare_data.py --dataset=text --input=FILE [--tokenizer=gpt2 --tiktoken_file=PATH]
     python prepare_data.py --dataset=fineweb_edu --tokens=10000000 [--tiktoken_file=PATH]
@@ -26,8 +27,13 @@ steps cannot be taken one per position as the facts arrive, beside sentences and
     labelled too.
   python prepare_data.py --dataset=pointer [--max_k=2 --name=pointer2]    # k in 1..max_k
   python prepare_data.py --dataset=pointer --filler=False                 # pointer items only
-Besides val_labels.bin (the answer token's k), pointer writes val_item_labels.bin: the item's k on
-every token of the item span, since the work may sit anywhere in it.
+`hops` holds the pointer items alone, written with one token per fact (a vocabulary of its own,
+`dc ` is one token), so that a look-up is a single attention match and k look-ups are k attention
+reads in a row; a query of every chain, the first answer labelled:
+  - pointer chasing, one token a fact   "dc ab cf by f7 y2 ; D7 A2 B5 C1"   (D -> c -> 7: k = 2)
+  python prepare_data.py --dataset=hops [--max_k=2 --name=hops2]
+Besides val_labels.bin (the answer token's k), pointer and hops write val_item_labels.bin: the item's
+k on every token of the item span, since the work may sit anywhere in it.
 """
 import os
 import random
@@ -38,27 +44,30 @@ import numpy as np
 
 from checkpoint import atomic_write, write_json
 from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
-from tokenizer import char_meta, gpt2_encoding, load_tokenizer
+from tokenizer import char_meta, gpt2_encoding, load_tokenizer, pieces_meta
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
 POINTER_CHARS = SYNTH_CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"   # names in capitals where they are defined
+HOP_NAMES = "abcdefghijklmnop"                                # 16: four chains of up to four names
+HOP_PIECES = (["\n", ";"] + [" " + name.upper() for name in HOP_NAMES] + list("0123456789")   # queries, answers,
+              + [name + value + " " for name in HOP_NAMES for value in HOP_NAMES + "0123456789"])   # and one per fact
 
 DEFAULTS = dict(
     dataset="synthetic",   # which dataset to prepare
     data_dir="data",       # writes data_dir/<name>/
     name="",               # output folder name (default: the dataset name)
     seed=1337,             # synthetic: the text generator's seed
-    size=1_000_000,        # synthetic: characters in total (train + val)
+    size=1_000_000,        # synthetic, pointer, hops: tokens in total (train + val; a character each, but in hops)
     val_fraction=0.1,      # share of the tokens kept for validation (the end of the text)
     input="",              # shakespeare_char / text: local file (shakespeare downloads if empty)
     tokenizer="char",      # text: characters, or GPT-2 BPE
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
-    max_k=4,               # synthetic, pointer: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
-    filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none)
+    max_k=4,               # synthetic, pointer, hops: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
+    filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none; hops: never)
 )
-RULES = dict(dataset=["synthetic", "pointer", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
+RULES = dict(dataset=["synthetic", "pointer", "hops", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
              max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
@@ -102,51 +111,75 @@ def _digit_sum(rng, max_k=4):
     return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
 
 
-def _pointer(rng, max_k=4):
-    """k look-ups after the query. Four chains of the same length k (head -> x1 -> ... -> a digit),
-    written as facts of two characters, the name a fact defines in capitals and its value (`Dc`: D
-    holds c, look up C): all the pointers first, the chains interleaved, each head first (so that
-    every fact names a variable defined later), then every chain's digit in a random order, then
-    two queries of different chains, each a name in capitals written like a fact, its value to come
-    (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
-    query is a copy of what followed its name before). The chains have one length so that nothing
-    but following the queried one tells its digit from the others' (with chains of several lengths,
-    the digit of the only long chain is the one a pointer leads to), and the answer's place among
-    the digits says nothing."""
-    k, n = rng.randint(1, max_k), 4
-    names = iter(rng.sample("abcdefghijklmnopqrstuvwxyz", n * k))
-    chains = [[next(names) for _ in range(k)] for _ in range(n)]        # head .. the one that holds a digit
-    pointers = [[vs[i].upper() + vs[i + 1] for i in range(k - 1)] for vs in chains]
+def _chains(rng, k, n, alphabet):
+    """n chains of k names (head -> ... -> the one that holds a digit) and their facts [(name, value)]
+    in the order written: all the pointers first, the chains interleaved, each head first (so that
+    every fact names a variable defined *later*), then every chain's digit in a random order. The
+    chains have one length so that nothing but following the queried one tells its digit from the
+    others' (with chains of several lengths, the digit of the only long chain is the one a pointer
+    leads to), and the answer's place among the digits says nothing. Returns chains, digits, facts."""
+    names = iter(rng.sample(alphabet, n * k))
+    chains = [[next(names) for _ in range(k)] for _ in range(n)]
+    pointers = [[(vs[i], vs[i + 1]) for i in range(k - 1)] for vs in chains]
     digits = [rng.choice("0123456789") for _ in chains]
-    values = [vs[-1].upper() + d for vs, d in zip(chains, digits)]
+    values = [(vs[-1], d) for vs, d in zip(chains, digits)]
     order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
     rng.shuffle(values)
-    item = [(" ".join([pointers[i].pop(0) for i in order] + values) + " ;", 0)]
+    return chains, digits, [pointers[i].pop(0) for i in order] + values
+
+
+def _pointer(rng, max_k=4):
+    """k look-ups after the query. Four chains of the same length k (_chains), each fact written as
+    two characters, the name it defines in capitals and its value (`Dc`: D holds c, look up C), then
+    two queries of different chains, each a name in capitals written like a fact, its value to come
+    (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
+    query is a copy of what followed its name before): an induction head."""
+    k, n = rng.randint(1, max_k), 4
+    chains, digits, facts = _chains(rng, k, n, "abcdefghijklmnopqrstuvwxyz")
+    item = [(" ".join(name.upper() + value for name, value in facts) + " ;", 0)]
     for i in rng.sample(range(n), 2):
         item += [(" " + chains[i][0].upper(), 0), (digits[i], k)]
     return item
 
 
+def _hops(rng, max_k=4):
+    """The pointer items with one token per fact (`dc ` is one token of the `hops` vocabulary, HOP_PIECES):
+    a look-up is then one attention match, the query's name against a fact's, whose value can carry
+    what it holds, so that k look-ups are k attention reads in a row and no induction circuit has to
+    be learned first. Four chains of length k (_chains) over 16 names, then a query of every chain
+    in a random order (`dc ab cf by f7 y2 ; D7 A2 B5 C1`). Only the first answer is labelled k: a
+    later one may be told by elimination (the last is the digit no earlier answer took)."""
+    k, n = rng.randint(1, max_k), 4
+    chains, digits, facts = _chains(rng, k, n, HOP_NAMES)
+    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
+    for j, i in enumerate(rng.sample(range(n), n)):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 else 0)]
+    return item
+
+
 FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
-KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer]}
+KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops]}
 
 
-def synthetic_text(n_chars, seed, kinds="synthetic", max_k=4, filler=True):
+def synthetic_text(n_tokens, seed, kinds="synthetic", max_k=4, filler=True, encode=None):
     """Deterministic text of the makers of KINDS[kinds] (half the items, the rest FILLER; filler=False:
-    the labelled items only), with two per-character labels: the answer token's difficulty
-    (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span."""
+    the labelled items only), with two per-token labels: the answer token's difficulty
+    (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span. encode: the
+    tokenizer (None: one token per character)."""
     rng = random.Random(seed)
     makers = (FILLER if filler else []) + KINDS[kinds]
+    length = (lambda piece: len(encode(piece))) if encode else len
     text, labels, spans, total = [], [], [], 0
-    while total < n_chars:
+    while total < n_tokens:
         item = rng.choice(makers)(rng, max_k)
         span = max(label for _, label in item)
         for piece, label in item + [("\n", 0)]:
+            n = length(piece)
             text.append(piece)
-            labels.extend([label] * len(piece))
-            spans.extend([span if piece != "\n" else 0] * len(piece))
-            total += len(piece)
+            labels.extend([label] * n)
+            spans.extend([span if piece != "\n" else 0] * n)
+            total += n
     return "".join(text), np.array(labels, dtype=np.uint8), np.array(spans, dtype=np.uint8)
 
 
@@ -175,13 +208,16 @@ def write_split(out, ids, val_fraction, labels=None, meta=None, spans=None):
 def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
-        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], c["filler"])
-        meta = char_meta(SYNTH_CHARS if c["dataset"] == "synthetic" else POINTER_CHARS)
+        meta = {"synthetic": char_meta(SYNTH_CHARS), "pointer": char_meta(POINTER_CHARS),
+                "hops": pieces_meta(HOP_PIECES)}[c["dataset"]]
         encode, _ = load_tokenizer(meta)
+        hops = c["dataset"] == "hops"          # no filler: the sentences' characters are not its tokens
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], c["filler"] and not hops,
+                                             encode if hops else None)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
-        if c["dataset"] == "pointer":
+        if c["dataset"] != "synthetic":
             meta["item_labels"] = "val_item_labels.bin: uint8 per val token, the difficulty of its item (0: none)"
-        write_split(out, encode(text), c["val_fraction"], labels, meta, spans if c["dataset"] == "pointer" else None)
+        write_split(out, encode(text), c["val_fraction"], labels, meta, spans if c["dataset"] != "synthetic" else None)
     elif c["dataset"] in ("shakespeare_char", "text"):
         text = _read_text(c)
         if c["dataset"] == "text" and c["tokenizer"] == "gpt2":

@@ -13,8 +13,9 @@ import eval as ev
 from checkpoint import model_args, save_checkpoint
 from conftest import chase
 from model import GPTConfig, LoopedLM, forward_ragged
+import prepare_data
 from prepare_data import SYNTH_CHARS
-from tokenizer import char_meta, load_tokenizer
+from tokenizer import char_meta, load_tokenizer, pieces_meta
 
 
 @pytest.fixture(scope="module")
@@ -197,12 +198,17 @@ def test_standard_benchmark_rows_convert_to_the_task_schema():
     assert ev.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
 
 
-def test_builtin_pointer_items_are_graded_by_their_lookups():
-    """--builtin pointer: per_level items at each difficulty 1..4; the answer is what following the
-    queried chain finds, in as many look-ups as the difficulty says, all after the last fact."""
-    items = ev.builtin_items("pointer", 5, seed=int(torch.randint(0, 1000, ())))
+@pytest.mark.parametrize("kind", ["pointer", "hops"])
+def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
+    """--builtin pointer / hops: per_level items at each difficulty 1..4; the answer is what following
+    the queried chain finds, in as many look-ups as the difficulty says, all after the last fact. In
+    hops every fact is one token of the dataset's vocabulary."""
+    items = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())))
+    encode, _ = load_tokenizer(pieces_meta(prepare_data.HOP_PIECES))
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
     for it in items:
         facts, query = it["prompt"].strip("\n").split(" ; ")
         assert len(query) == 1 and query.isupper()   # the first query, written like a fact, its value to come
-        assert chase(facts.split(), query) == (it["answer"], it["difficulty"]) and it["kind"] == "pointer"
+        assert chase(facts.split(), query) == (it["answer"], it["difficulty"]) and it["kind"] == kind
+        if kind == "hops":                            # "\n", a token per fact, ";", " D"
+            assert len(encode(it["prompt"])) == len(facts.split()) + 3 and len(encode(it["answer"])) == 1

@@ -15,7 +15,7 @@ import train
 from configurator import UserError
 from conftest import TINY, chase, read_log
 from model import exit_pdf
-from tokenizer import load_tokenizer
+from tokenizer import load_tokenizer, pieces_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------- priors and regularizers
@@ -203,6 +203,45 @@ def test_pointer_items_need_their_k_lookups_after_the_query():
     assert all(" ; " in line for line in lines) and len(lines) > 20     # --filler=False: pointer items only
 
 
+def test_hops_items_are_pointer_items_with_one_token_per_fact(tmp_path):
+    """prepare_data --dataset=hops, read back from its files: every fact is one token (the
+    longest-match vocabulary cuts `dc ` whole), the facts form four chains of one length k written
+    as in pointer (forward references, every digit after every pointer), then a query of every
+    head, each answered by what brute force finds; per token, only the first answer is labelled k,
+    and every token of the item carries k in the span labels. Nothing but items."""
+    seed = int(torch.randint(0, 1000, ()))
+    out = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="hops", data_dir=str(tmp_path), size=20000,
+                                    val_fraction=0.5, seed=seed))
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    encode, decode = load_tokenizer(meta)
+    ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
+    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist() for f in ("val_labels.bin", "val_item_labels.bin"))
+    assert meta["vocab_size"] == len(prepare_data.HOP_PIECES) == 444 and len(ids) == len(labels) == len(spans)
+    newline, seen = encode("\n")[0], set()
+    ends = [i for i, t in enumerate(ids) if t == newline]
+    for start, end in zip(ends, ends[1:]):                         # whole items between two newlines
+        toks = [decode([t]) for t in ids[start + 1:end]]
+        facts, rest = toks[:toks.index(";")], toks[toks.index(";") + 1:]
+        assert all(len(f) == 3 and f[0].islower() and f[2] == " " for f in facts), toks   # one token a fact
+        defined = [f[0].upper() for f in facts]
+        assert len(set(defined)) == len(facts)
+        assert all(f[1].isdigit() or f[1].upper() in defined[i + 1:] for i, f in enumerate(facts)), toks
+        digits = [f[1].isdigit() for f in facts]
+        assert digits == sorted(digits) and sum(digits) == 4, toks
+        heads = set(defined) - {f[1].upper() for f in facts}
+        k = chase([f[:2] for f in facts], sorted(heads)[0])[1]
+        queries = [q.strip() for q in rest[0::2]]
+        assert len(rest) == 8 and sorted(queries) == sorted(heads) and len(heads) == 4
+        assert all(chase([f[:2] for f in facts], q) == (a, k) for q, a in zip(queries, rest[1::2])), toks
+        first = start + 1 + len(facts) + 2                          # the first answer's token
+        assert labels[start + 1:end] == [k if i == first else 0 for i in range(start + 1, end)]
+        assert spans[start + 1:end] == [k] * (end - start - 1) and spans[end] == 0
+        seen.add(k)
+    assert seen == {1, 2, 3, 4} and len(ends) > 50
+    train_ids = np.fromfile(os.path.join(out, "train.bin"), dtype=np.uint16).tolist()
+    assert decode(train_ids + ids) == prepare_data.synthetic_text(20000, seed, "hops", filler=False, encode=encode)[0]
+
+
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     t1, l1, _ = prepare_data.synthetic_text(20000, seed=3)
     t2, l2, _ = prepare_data.synthetic_text(20000, seed=3)
@@ -238,6 +277,15 @@ def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     enc, dec = load_tokenizer(meta)
     assert dec(list(train_ids)) + dec(list(val)) == t1[:len(train_ids) + len(val)]
     assert len(lab) == len(val) and np.array_equal(lab, l1[len(train_ids):len(train_ids) + len(val)])
+
+
+def test_pieces_tokenizer_takes_the_longest_piece_first():
+    """The `pieces` tokenizer (hops): at every character the longest piece that matches, decoding
+    gives the text back, and a character no piece starts with is a UserError naming where."""
+    encode, decode = load_tokenizer(pieces_meta(["a", "ab", "ab ", "b", " ", ";"]))
+    assert encode("ab ab;a b") == [2, 1, 5, 0, 4, 3] and decode(encode("ab ab;a b")) == "ab ab;a b"
+    with pytest.raises(UserError, match="at character 3"):
+        encode("ab c")
 
 
 def test_text_dataset_char_and_offline_bpe(tmp_path):

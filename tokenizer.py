@@ -2,7 +2,9 @@
 Tokenizers and the chat template: what turns text into token ids and back, for every script.
 
 A dataset's meta.json (written by prepare_data.py, stored in every checkpoint) names its tokenizer:
-  char  the characters of the training text, one id each (meta["chars"])
+  char    the characters of the training text, one id each (meta["chars"])
+  pieces  a list of strings, one id each, the longest that matches first (meta["pieces"]): a
+          synthetic vocabulary whose tokens are more than one character (prepare_data's `hops`)
   gpt2  GPT-2's BPE through tiktoken (a local gpt2.tiktoken ranks file works offline)
   hf    an Ouro folder's tokenizer.json (SmolLM2-style), through the optional `tokenizers` package
 Ouro's Thinking models talk in ChatML; chat_ids() is the one template that sample.py, eval.py
@@ -38,6 +40,10 @@ def char_meta(chars):
     return {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars)}
 
 
+def pieces_meta(pieces):
+    return {"tokenizer": "pieces", "vocab_size": len(pieces), "pieces": list(pieces)}
+
+
 def load_tokenizer(meta, tiktoken_file=""):
     """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str)."""
     if meta.get("tokenizer") == "char":
@@ -51,6 +57,22 @@ def load_tokenizer(meta, tiktoken_file=""):
                                 f"({chars!r})")
             return [stoi[c] for c in s]
         return encode, lambda ids: "".join(chars[i] for i in ids)
+    if meta.get("tokenizer") == "pieces":
+        pieces = meta["pieces"]
+        stoi = {p: i for i, p in enumerate(pieces)}
+        longest = max(map(len, pieces))
+
+        def encode(s):
+            ids, i = [], 0
+            while i < len(s):
+                n = next((n for n in range(min(longest, len(s) - i), 0, -1) if s[i:i + n] in stoi), 0)
+                if not n:
+                    raise UserError(f"{s[i:i + 8]!r} (at character {i}) starts with no token of this model's "
+                                    f"vocabulary of {len(pieces)} pieces")
+                ids.append(stoi[s[i:i + n]])
+                i += n
+            return ids
+        return encode, lambda ids: "".join(pieces[i] for i in ids)
     if meta.get("tokenizer") == "hf":
         try:
             from tokenizers import Tokenizer
@@ -62,7 +84,7 @@ def load_tokenizer(meta, tiktoken_file=""):
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, gpt2, hf")
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, pieces, gpt2, hf")
 
 
 # ----------------------------------------------------------------------------- ChatML
