@@ -17,7 +17,9 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
   - the pointer task (k look-ups that can only start once the query is read): local vs global with
     the Poisson and the uniform prior (the best global run of the synthetic grid), --seeds seeds
     each, with the builtin pointer suite's accuracy and answer depth per k at fixed@1..U and
-    ETE-Ragged (greedy).
+    ETE-Ragged (greedy);
+  - the same on the hops task (the pointer items with one token per fact), with a block of one
+    layer, 256 wide: the smallest setting found where depth buys accuracy (a look-up a loop).
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
@@ -36,6 +38,7 @@ import train
 from checkpoint import load_checkpoint, write_json
 from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from model import forward_ragged
+from tokenizer import load_tokenizer
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
@@ -49,19 +52,29 @@ DEFAULTS = dict(
 )
 RULES = dict(seeds=">= 1", seed=SEED_RULE)
 THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
-# the pointer task's priors: Poisson, and the prior whose global run reads best on the synthetic grid
+# the pointer tasks' priors: Poisson, and the prior whose global run reads best on the synthetic grid
 # (the lowest ETE-Ragged loss at τ 0.5 of the three global runs: uniform, 0.835 against 0.842 and 0.850)
 POINTER_PRIORS = ["poisson", "uniform"]
+# the two look-up tasks (prepare_data's datasets): run-name prefix and the name their claims go by
+POINTER_TASKS = {"pointer": ("ptr", "Pointer task"), "hops": ("hop", "Hops task (one token a fact)")}
+# a curriculum: a hops run first trains on the items of 1-2 look-ups (the dataset "hops2") for the
+# size's first_iters steps, then on all of them; from scratch on k = 1..4 a look-up that continues
+# in the next loop was not learned in 2,000 steps, after the first stage it was within 500
+FIRST = {"hops": dict(data="hops2", max_k=2)}
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
 SIZES = {
     "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
                         "--batch_size=8", "--max_iters=30", "--eval_interval=15", "--eval_iters=2", "--warmup_iters=5",
-                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000, pointer_items=2,
+                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000, pointer_items=2, first_iters=10,
                   data_args={"pointer": ["--block_size=64"]}),   # a k = 4 pointer item's prompt is 53 characters
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
                        "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
-                 pointer_items=50, data_args={}),
+                 pointer_items=50, first_iters=1500,
+                 # hops: one layer of width 256 (8 heads), where a loop learns one look-up; L=2, d=128 learns
+                 # two in its first loop and none in the next (results/notes.md)
+                 data_args={"hops": ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
+                                     "--learning_rate=1.5e-3", "--max_iters=2000", "--eval_interval=500"]}),
 }
 
 
@@ -91,11 +104,12 @@ def grid(c):
         runs[f"shk-{scope}-poisson"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seeds[0],
                                             args=["--prior=poisson", f"--seed={seeds[0]}"]
                                             + (["--global_kl"] if scope == "global" else []))
-        for prior in POINTER_PRIORS:
-            for seed in seeds:
-                runs[f"ptr-{scope}-{prior}-s{seed}"] = dict(data="pointer", scope=scope, prior=prior, seed=seed,
-                                                            args=[f"--prior={prior}", f"--seed={seed}"]
-                                                            + (["--global_kl"] if scope == "global" else []))
+        for data, (prefix, _) in POINTER_TASKS.items():
+            for prior in POINTER_PRIORS:
+                for seed in seeds:
+                    runs[f"{prefix}-{scope}-{prior}-s{seed}"] = dict(
+                        data=data, scope=scope, prior=prior, seed=seed, first=FIRST.get(data),
+                        args=[f"--prior={prior}", f"--seed={seed}"] + (["--global_kl"] if scope == "global" else []))
     runs["syn-global-poisson-flatbeta"] = dict(data="synthetic", scope="global", prior="poisson", seed=seeds[0],
                                                beta=0.1, args=["--prior=poisson", f"--seed={seeds[0]}", "--global_kl",
                                                                "--beta=0.1"])
@@ -106,9 +120,14 @@ def prepare(c, size, data_dir):
     """The datasets of the grid, once."""
     if not os.path.isfile(os.path.join(data_dir, "synthetic", "meta.json")):
         prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=data_dir, size=SIZES[size]["synthetic_chars"]))
-    if not os.path.isfile(os.path.join(data_dir, "pointer", "meta.json")):
-        prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="pointer", data_dir=data_dir,
-                                  size=SIZES[size]["synthetic_chars"]))
+    for data in POINTER_TASKS:
+        if not os.path.isfile(os.path.join(data_dir, data, "meta.json")):
+            prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset=data, data_dir=data_dir,
+                                      size=SIZES[size]["synthetic_chars"]))
+    for data, first in FIRST.items():
+        if not os.path.isfile(os.path.join(data_dir, first["data"], "meta.json")):
+            prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset=data, name=first["data"], max_k=first["max_k"],
+                                      data_dir=data_dir, size=SIZES[size]["synthetic_chars"]))
     if not os.path.isfile(os.path.join(data_dir, "shakespeare", "meta.json")):
         src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare", input=c["input"])
         if not c["input"] and size == "quick":   # offline smoke test: a stand-in text of the same kind
@@ -138,6 +157,8 @@ def run_one(name, spec, c, size, runs):
                  "--learning_rate=3e-4", "--min_lr=1e-4"]
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         args += ["--init_from=resume"]
+    elif spec.get("first"):            # the curriculum's first stage, in first/ inside the run's folder
+        args += [f"--branch_from={train_first(args, folder, spec['first'], budget['first_iters'])}"]
     elif spec.get("parent"):
         args += [f"--branch_from={os.path.join(c['out'], spec['parent'])}"]
     print(f"== {name}: python train.py {' '.join(args)}", file=sys.stderr)
@@ -148,20 +169,39 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
-    if spec["data"] in ("synthetic", "pointer"):
+    if spec["data"] != "shakespeare":
         result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", spec["data"]))
-    if spec["data"] == "pointer":
-        result["builtin"] = builtin_by_depth(folder, budget["pointer_items"], len(evals[-1]["val_loss_fixed"]))
+    if spec["data"] in POINTER_TASKS:
+        result["builtin"] = builtin_by_depth(folder, spec["data"], budget["pointer_items"], len(evals[-1]["val_loss_fixed"]))
     write_json(result_path, result)
     return result
 
 
-def builtin_by_depth(folder, per_level, U):
-    """The builtin pointer suite (eval.py), greedy: accuracy and the answer's exit depth per k at
-    fixed@1..U and ETE-Ragged at each τ of THRS. Returns {mode: {k: {items, acc, answer_depth}}}."""
+def train_first(args, folder, first, iters):
+    """Train (or resume, or find done) the first stage of a curriculum: the run's own settings on
+    the easier dataset first["data"] for `iters` steps, into folder/first. Returns that folder."""
+    stage = os.path.join(folder, "first")
+    log = os.path.join(stage, "log.jsonl")
+    if os.path.isfile(log):
+        with open(log) as f:
+            if any(json.loads(line).get("iter") == iters and "val_loss_fixed" in line for line in f if line.strip()):
+                return stage                                    # done: its last evaluation is logged
+    stage_args = [a for a in args if not a.startswith(("--out_dir=", "--dataset="))] + [
+        f"--out_dir={stage}", f"--dataset={first['data']}", f"--max_iters={iters}"]
+    if os.path.isfile(os.path.join(stage, "ckpt.pt")):
+        stage_args += ["--init_from=resume"]
+    print(f"== {os.path.basename(folder)}, first stage: python train.py {' '.join(stage_args)}", file=sys.stderr)
+    train.main(stage_args)
+    return stage
+
+
+def builtin_by_depth(folder, kind, per_level, U):
+    """The builtin suite of a look-up task (eval.py --builtin=kind), greedy: accuracy and the answer's
+    exit depth per k at fixed@1..U and ETE-Ragged at each τ of THRS. Returns {mode: {k: {items, acc,
+    answer_depth}}}."""
     modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"ete_ragged@{t}" for t in THRS])
     with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
-        runs = eval_suite.main(["--ckpt", folder, "--builtin=pointer", f"--builtin_items={per_level}", f"--modes={modes}",
+        runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_items={per_level}", f"--modes={modes}",
                                 "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"])
     return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
@@ -176,8 +216,8 @@ def exit_trace(folder, data, n=96, thr=0.5):
     start = int(np.nonzero(labels[200:])[0][0]) + 200 - n // 3      # a stretch with hard tokens in it
     ids = torch.tensor(val[start:start + n + 1].astype(np.int64))[None]
     exits = forward_ragged(model, ids[:, :-1], taus=thr)["exits"][0].tolist()
-    chars = ckpt["meta"]["chars"]
-    return {"tokens": [chars[i] for i in ids[0, 1:].tolist()], "exits": exits,
+    decode = load_tokenizer(ckpt["meta"])[1]
+    return {"tokens": [decode([i]) for i in ids[0, 1:].tolist()], "exits": exits,
             "labels": labels[start + 1:start + n + 1].tolist(), "thr": thr}
 
 
@@ -205,7 +245,7 @@ def claims(results, seeds):
     # 1. the ragged frontier lies above the fixed depths at equal average depth (Figure 1)
     rows = []
     for r in results:
-        if r.get("parent") or r.get("beta") or r["data"] == "pointer":   # the pointer task has claims of its own
+        if r.get("parent") or r.get("beta") or r["data"] in POINTER_TASKS:   # the look-up tasks have claims of their own
             continue
         f = r["final"]
         for t in map(str, THRS):
@@ -268,18 +308,19 @@ def claims(results, seeds):
 
 
 def pointer_claims(R, seeds):
-    """The pointer task, where the k look-ups can only start once the query is read, per prior:
-    first whether depth buys accuracy there at all (without it the exits have nothing to follow),
-    then whether the answer's exit depth, and the depth spent over the whole item, rise with k,
-    global against local."""
-    return [claim for prior in POINTER_PRIORS for claim in pointer_prior_claims(R, seeds, prior)]
+    """The look-up tasks (pointer, hops), where the k look-ups can only start once the query is
+    read, per prior: first whether depth buys accuracy there at all (without it the exits have
+    nothing to follow), then whether the answer's exit depth, and the depth spent over the whole
+    item, rise with k, global against local."""
+    return [claim for prefix, task in POINTER_TASKS.values() for prior in POINTER_PRIORS
+            for claim in pointer_prior_claims(R, seeds, prior, prefix, task)]
 
 
-def pointer_prior_claims(R, seeds, prior):
+def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
     out, finals, suites = [], {}, {}
-    name = prior.capitalize()
+    name = f"{task}, {prior.capitalize()}"
     for s in ("local", "global"):
-        rs = [R[n] for n in (f"ptr-{s}-{prior}-s{x}" for x in seeds) if n in R]
+        rs = [R[n] for n in (f"{prefix}-{s}-{prior}-s{x}" for x in seeds) if n in R]
         finals[s], suites[s] = [r["final"] for r in rs], [r["builtin"] for r in rs if r.get("builtin")]
     if not all(suites.values()):
         return out
@@ -289,9 +330,9 @@ def pointer_prior_claims(R, seeds, prior):
     gain = {s: acc(s, f"fixed@{U}", hard) - acc(s, "fixed@1", hard) for s in suites}
     table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}" for d in range(1, U + 1))
                                 for k in levels)
-    out.append(dict(claim=f"Pointer task, {name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
+    out.append(dict(claim=f"{name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
                           "k), the precondition of the next claim",
-                    numbers=f"builtin pointer suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} seed(s): "
+                    numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} seed(s): "
                             f"global {table('global')}; local {table('local')}",
                     holds=min(gain.values()) >= 0.1))
     rho = {s: mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals[s]])
@@ -300,7 +341,7 @@ def pointer_prior_claims(R, seeds, prior):
                                       for k in levels)
     ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at "
                                   f"{np.mean([b['ete_ragged@0.5'][k]['answer_depth'] for b in suites[s]]):.2f}" for k in levels)
-    out.append(dict(claim=f"Pointer task, {name}: the answer's exit depth rises with k, more under global than local "
+    out.append(dict(claim=f"{name}: the answer's exit depth rises with k, more under global than local "
                           "enforcement",
                     numbers=f"Spearman(exit depth before an answer, its k): global {num(rho['global'])}, local "
                             f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
@@ -407,10 +448,10 @@ def draw(results, out, seeds):
     os.makedirs(fig_dir, exist_ok=True)
     s0 = seeds[0]
     pair = [(R.get(f"syn-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
-    pointer = [(R.get(f"ptr-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
+    tasks = [[(R.get(f"{prefix}-{s}-poisson-s{s0}"), s) for s in ("local", "global")] for prefix, _ in POINTER_TASKS.values()]
     made = []
-    for figure, runs in ((figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair), (figure_trace, pointer),
-                         (figure_curves, pair), (figure_difficulty, pair)):
+    for figure, runs in ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
+                         + [(figure_trace, task) for task in tasks] + [(figure_curves, pair), (figure_difficulty, pair)]):
         drawn = figure(plt, R, runs, s0)
         if drawn:
             fig, name, caption = drawn
@@ -468,8 +509,9 @@ def figure_trace(plt, R, pair, s0):
             ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
                    yticks=range(1, 5))
             ax.legend(fontsize=7, loc="upper right")
-        if next(r for r, _ in pair if r)["data"] == "pointer":
-            return fig, "exit_trace_pointer.png", "Exit depth along a held-out pointer-task sequence, answers marked"
+        data = next(r for r, _ in pair if r)["data"]
+        if data in POINTER_TASKS:
+            return fig, f"exit_trace_{data}.png", f"Exit depth along a held-out {data}-task sequence, answers marked"
         return fig, "exit_trace.png", "Exit depth along a held-out synthetic sequence, hard tokens marked (Figure 12)"
 
 

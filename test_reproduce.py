@@ -1,10 +1,12 @@
 """reproduce.py: the quick grid end to end (every column, every figure, resumable), and the claim
 checks, table and figures on a small hand-made results file."""
+import functools
 import json
 import os
 
 import pytest
 
+import prepare_data
 import reproduce
 
 
@@ -33,10 +35,11 @@ def hand_made():
             fake_run("syn-global-uniform-s1", prior="uniform")]
 
 
-def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0)):
-    """A pointer-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
-    r = fake_run(f"ptr-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
-    r["data"] = "pointer"
+def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0), data="pointer"):
+    """A look-up-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
+    prefix = reproduce.POINTER_TASKS[data][0]
+    r = fake_run(f"{prefix}-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
+    r["data"] = data
     r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
     suite = {f"fixed@{d}": {str(k): {"items": 50, "acc": accs[k - 1][d - 1], "answer_depth": float(d)} for k in range(1, 5)}
              for d in range(1, 5)}
@@ -53,12 +56,16 @@ def with_sweep(r, rho_by_thr):
     return r
 
 
-def test_pointer_claims_are_computed_from_the_numbers():
+@pytest.mark.parametrize("data", ["pointer", "hops"])
+def test_pointer_claims_are_computed_from_the_numbers(data):
     helps = [(0.3, 0.9, 1.0, 1.0), (0.3, 0.4, 0.8, 0.9), (0.3, 0.3, 0.5, 0.8), (0.3, 0.3, 0.3, 0.6)]
     flat = [(0.4, 0.4, 0.4, 0.4)] * 4
-    results = [fake_pointer("local", 1, 0.1, helps), fake_pointer("local", 2, 0.2, helps),
-               fake_pointer("global", 1, 0.5, helps), fake_pointer("global", 2, None, helps)]
+    make = functools.partial(fake_pointer, data=data)
+    results = [make("local", 1, 0.1, helps), make("local", 2, 0.2, helps),
+               make("global", 1, 0.5, helps), make("global", 2, None, helps)]
     depth, exits = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])
+    task = reproduce.POINTER_TASKS[data][1]                          # each task's claims under its own name
+    assert depth["claim"].startswith(f"{task}, Poisson: depth buys") and exits["claim"].startswith(f"{task}, Poisson")
     assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"] and "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
     # Spearman undefined (None) counts as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
     assert exits["holds"] and "global 0.250 (0.000–0.500), local 0.150 (0.100–0.200)" in exits["numbers"]
@@ -71,7 +78,7 @@ def test_pointer_claims_are_computed_from_the_numbers():
     results = [with_sweep(r, sweep) for r in results]
     numbers = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[1]["numbers"]
     assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
-    results = [fake_pointer(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
+    results = [make(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
     assert not any(c["holds"] for c in reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2]))
     assert reproduce.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
 
@@ -122,18 +129,26 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 27
+    assert len(results) == 35
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and text.count("\n| syn-") + text.count("\n| shk-") + text.count("\n| ptr-") == 27
-    for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "training_curves.png",
-              "depth_by_difficulty.png"):
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop")) == 35
+    for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "exit_trace_hops.png",
+              "training_curves.png", "depth_by_difficulty.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
     assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"ete_ragged@{t}" for t in reproduce.THRS}
     assert set(ptr["final"]["difficulty_spearman_by_thr"]) == {str(t) for t in reproduce.THRS}   # the τ sweep
     assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values()) for b in ptr["builtin"].values())
     assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task, Uniform: depth buys accuracy" in text
+    hop = json.load(open(os.path.join(out, "hop-local-uniform-s1337", "result.json")))
+    assert set(hop["builtin"]) == set(ptr["builtin"]) and hop["data"] == "hops" and max(hop["trace"]["labels"]) > 0
+    assert "dc " in prepare_data.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(prepare_data.HOP_PIECES)
+    assert "Hops task (one token a fact), Poisson: the answer's exit depth" in text
+    first = [json.loads(line) for line in open(os.path.join(out, "hop-local-uniform-s1337", "first", "log.jsonl"))]
+    assert first[-1]["iter"] == 10 and hop["first"]["data"] == "hops2"      # the curriculum's first stage, then all k
+    assert first[-1]["depth_by_difficulty"]["3"] is None and first[-1]["depth_by_difficulty"]["2"] is not None
+    assert hop["final"]["depth_by_difficulty"]["4"] is not None
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
     assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 10
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
