@@ -58,8 +58,9 @@ POINTER_PRIORS = ["poisson", "uniform"]
 # the two look-up tasks (prepare_data's datasets): run-name prefix and the name their claims go by
 POINTER_TASKS = {"pointer": ("ptr", "Pointer task"), "hops": ("hop", "Hops task (one token a fact)")}
 # a curriculum: a hops run first trains on the items of 1-2 look-ups (the dataset "hops2") for the
-# size's first_iters steps, then on all of them; from scratch on k = 1..4 a look-up that continues
-# in the next loop was not learned in 2,000 steps, after the first stage it was within 500
+# size's first_iters steps at its peak learning rate, then on all of them with a fresh schedule; from
+# scratch on k = 1..4 a look-up that continues in the next loop was not learned in 2,000 steps, after
+# the first stage it was within 500 (results/notes.md)
 FIRST = {"hops": dict(data="hops2", max_k=2)}
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
@@ -70,7 +71,7 @@ SIZES = {
                   data_args={"pointer": ["--block_size=64"]}),   # a k = 4 pointer item's prompt is 53 characters
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
                        "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
-                 pointer_items=50, first_iters=1500,
+                 pointer_items=50, first_iters=2000,
                  # hops: one layer of width 256 (8 heads), where a loop learns one look-up; L=2, d=128 learns
                  # two in its first loop and none in the next (results/notes.md)
                  data_args={"hops": ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
@@ -179,7 +180,8 @@ def run_one(name, spec, c, size, runs):
 
 def train_first(args, folder, first, iters):
     """Train (or resume, or find done) the first stage of a curriculum: the run's own settings on
-    the easier dataset first["data"] for `iters` steps, into folder/first. Returns that folder."""
+    the easier dataset first["data"] for `iters` steps, the learning rate held at its peak after the
+    warmup (a first stage is not the end of training), into folder/first. Returns that folder."""
     stage = os.path.join(folder, "first")
     log = os.path.join(stage, "log.jsonl")
     if os.path.isfile(log):
@@ -187,7 +189,7 @@ def train_first(args, folder, first, iters):
             if any(json.loads(line).get("iter") == iters and "val_loss_fixed" in line for line in f if line.strip()):
                 return stage                                    # done: its last evaluation is logged
     stage_args = [a for a in args if not a.startswith(("--out_dir=", "--dataset="))] + [
-        f"--out_dir={stage}", f"--dataset={first['data']}", f"--max_iters={iters}"]
+        f"--out_dir={stage}", f"--dataset={first['data']}", f"--max_iters={iters}", f"--lr_decay_start={iters}"]
     if os.path.isfile(os.path.join(stage, "ckpt.pt")):
         stage_args += ["--init_from=resume"]
     print(f"== {os.path.basename(folder)}, first stage: python train.py {' '.join(stage_args)}", file=sys.stderr)
