@@ -49,6 +49,7 @@ DEFAULTS = dict(
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
     builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums), "pointer" or "hops" (look-ups after the query)
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
+    builtin_max_k=4,       # the hardest level of the builtin suite (levels 1..builtin_max_k)
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
     convert="",            # write standard benchmarks (mmlu, arc_challenge, hellaswag, winogrande, gsm8k, bbh) as our JSONL into --out, then stop
@@ -77,7 +78,7 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer", "hops"], builtin_items="in [1, 100000]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+RULES = dict(builtin=["", "synthetic", "pointer", "hops"], builtin_items="in [1, 100000]", builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed=SEED_RULE,
              dtype=list(DTYPES),
@@ -156,9 +157,9 @@ def check_item(item, where):
         raise UserError(f"--task {where}: type must be 'mc' or 'gen', not {kind!r}")
 
 
-def builtin_items(kind, per_level, seed):
+def builtin_items(kind, per_level, seed, max_k=4):
     """Held-out generation items from prepare_data's generators (another seed than the training
-    text), difficulty 1..4, scored by the completion's first token (the models learn raw text, not a
+    text), difficulty 1..max_k, scored by the completion's first token (the models learn raw text, not a
     question format). kind "synthetic": k-hop chains and digit sums; "pointer" and "hops": look-ups
     that start after the query (the datasets of the same names)."""
     import prepare_data
@@ -166,9 +167,9 @@ def builtin_items(kind, per_level, seed):
     makers = {"synthetic": [prepare_data._chain, prepare_data._digit_sum], "pointer": [prepare_data._pointer],
               "hops": [prepare_data._hops]}[kind]
     items, count = [], {}
-    while len(items) < 4 * len(makers) * per_level:
+    while len(items) < max_k * len(makers) * per_level:
         maker = rng.choice(makers)
-        item = maker(rng)
+        item = maker(rng, max_k)
         first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
         prompt, (answer, level) = "".join(piece for piece, _ in item[:first]), item[first]
         key = (maker.__name__, level)
@@ -678,7 +679,7 @@ def main(argv):
         check_chat(meta)
         c["eos_ids"] = [IM_END] + c["eos_ids"]
     if c["builtin"]:
-        tasks[c["builtin"]] = builtin_items(c["builtin"], c["builtin_items"], c["seed"])
+        tasks[c["builtin"]] = builtin_items(c["builtin"], c["builtin_items"], c["seed"], c["builtin_max_k"])
     torch.manual_seed(c["seed"])
     os.makedirs(c["out"], exist_ok=True)
     runs, records = [], []

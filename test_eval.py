@@ -212,3 +212,5 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
         assert chase(facts.split(), query) == (it["answer"], it["difficulty"]) and it["kind"] == kind
         if kind == "hops":                            # "\n", a token per fact, ";", " D"
             assert len(encode(it["prompt"])) == len(facts.split()) + 3 and len(encode(it["answer"])) == 1
+    two = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())), max_k=2)   # --builtin_max_k=2: levels 1, 2
+    assert sorted(it["difficulty"] for it in two) == [1] * 5 + [2] * 5
