@@ -30,7 +30,7 @@ steps cannot be taken one per position as the facts arrive, beside sentences and
 `hops` holds the pointer items alone, written with one token per fact (a vocabulary of its own,
 `dc ` is one token), so that a look-up is a single attention match and k look-ups are k attention
 reads in a row; a query of every chain, the first answer labelled:
-  - pointer chasing, one token a fact   "dc ab cf by f7 y2 ; D7 A2 B5 C1"   (D -> c -> 7: k = 2)
+  - pointer chasing, one token a fact   "hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3"   (E -> i -> 9: k = 2)
   python prepare_data.py --dataset=hops [--max_k=2 --name=hops2]
 Besides val_labels.bin (the answer token's k), pointer and hops write val_item_labels.bin: the item's
 k on every token of the item span, since the work may sit anywhere in it.
@@ -148,7 +148,7 @@ def _hops(rng, max_k=4):
     a look-up is then one attention match, the query's name against a fact's, whose value can carry
     what it holds, so that k look-ups are k attention reads in a row and no induction circuit has to
     be learned first. Four chains of length k (_chains) over 16 names, then a query of every chain
-    in a random order (`dc ab cf by f7 y2 ; D7 A2 B5 C1`). Only the first answer is labelled k: a
+    in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the first answer is labelled k: a
     later one may be told by elimination (the last is the digit no earlier answer took)."""
     k, n = rng.randint(1, max_k), 4
     chains, digits, facts = _chains(rng, k, n, HOP_NAMES)
