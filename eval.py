@@ -164,8 +164,7 @@ def builtin_items(kind, per_level, seed, max_k=4):
     that start after the query (the datasets of the same names)."""
     import prepare_data
     rng = random.Random(seed + 10_000)
-    makers = {"synthetic": [prepare_data._chain, prepare_data._digit_sum], "pointer": [prepare_data._pointer],
-              "hops": [prepare_data._hops]}[kind]
+    makers = list(dict.fromkeys(prepare_data.KINDS[kind]))     # the dataset's item makers, each once
     items, count = [], {}
     while len(items) < max_k * len(makers) * per_level:
         maker = rng.choice(makers)
@@ -177,7 +176,7 @@ def builtin_items(kind, per_level, seed, max_k=4):
             continue
         count[key] = count.get(key, 0) + 1
         items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
-                      "difficulty": level, "kind": maker.__name__.strip("_").replace("digit_", "")})
+                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
     return items
 
 

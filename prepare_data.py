@@ -211,13 +211,13 @@ def prepare(c):
         meta = {"synthetic": char_meta(SYNTH_CHARS), "pointer": char_meta(POINTER_CHARS),
                 "hops": pieces_meta(HOP_PIECES)}[c["dataset"]]
         encode, _ = load_tokenizer(meta)
-        hops = c["dataset"] == "hops"          # no filler: the sentences' characters are not its tokens
-        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], c["filler"] and not hops,
-                                             encode if hops else None)
+        filler = c["filler"] and c["dataset"] != "hops"   # hops's vocabulary has no tokens for the sentences
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], filler, encode)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
-        if c["dataset"] != "synthetic":
+        look_ups = c["dataset"] != "synthetic"            # the work may sit anywhere in a look-up item
+        if look_ups:
             meta["item_labels"] = "val_item_labels.bin: uint8 per val token, the difficulty of its item (0: none)"
-        write_split(out, encode(text), c["val_fraction"], labels, meta, spans if c["dataset"] != "synthetic" else None)
+        write_split(out, encode(text), c["val_fraction"], labels, meta, spans if look_ups else None)
     elif c["dataset"] in ("shakespeare_char", "text"):
         text = _read_text(c)
         if c["dataset"] == "text" and c["tokenizer"] == "gpt2":

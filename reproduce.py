@@ -3,7 +3,7 @@ Reproduce the paper's findings at CPU scale: one grid of training runs, then RES
 tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim.
 
     python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
-    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~15 min per run
+    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~15 min per run (hops ~30)
 
 The grid (fixed seeds; every run of one seed sees the same data in the same order):
   - local vs global prior enforcement (Eq. 9 vs Eq. 10) x uniform, geometric and Poisson priors;
