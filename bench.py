@@ -7,6 +7,7 @@ ratio measured in the same run (absolute times only mean something on a GPU).
     python bench.py --ckpt out/           # ... on a trained checkpoint instead of the random bench model
     python bench.py --what=engine         # depth batching: schedulers x modes x batch sizes, and capacity
     python bench.py --what=train          # time per optimizer step of each training objective vs dense
+    python bench.py --what=gpu --device=cuda   # graphed against eager at Ouro-1.4B's shape (bench_gpu.py)
 
 Decode targets: KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged mode >= 0.8 x
 U/Ē times fixed@U's on the same engine. The engine's overhead shows as its fixed@U against
@@ -36,13 +37,14 @@ import torch
 from checkpoint import export_ouro, load_checkpoint
 from configurator import SEED_RULE, UserError, device_rule, parse, resolve_device, run_cli
 from kernels import IMPLS
-from model import GPTConfig, LoopedLM, forward_lanes, generate
-from ragged import DenseLanes
-from request import Request, sample_token
+from model import GPTConfig, LoopedLM, generate
+from request import Request
+from bench_gpu import bench_gpu, ouro_way
 from serve_depthbatch import HEADS, Engine, weight_bytes
 
 DEFAULTS = dict(
-    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives
+    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives;
+                           # gpu: graphed against eager at Ouro-1.4B's shape (bench_gpu.py)
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -68,9 +70,11 @@ DEFAULTS = dict(
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
     max_rows=256,          # engine, queue workload: rows per pass that prefill chunks may fill (the fixed batch prefills all at once)
     attn="auto",           # engine: paged attention (kernels.py)
-    device="cpu",          # engine: where to run (auto: CUDA when there is one)
+    device="cpu",          # engine, gpu: where to run (auto: CUDA when there is one)
+    gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
+    out="",                # gpu: also write the JSON to this file
 )
-RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
+RULES = dict(what=["decode", "engine", "train", "gpu"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
              thr="floats in [0, 1]", seed=SEED_RULE, threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
              f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)", steps=">= 1", batch_size=">= 1",
              block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
@@ -79,7 +83,7 @@ RULES = dict(what=["decode", "engine", "train"], prompt_len=">= 1", new_tokens="
              sampling=lambda v: None if v and set(v.split(",")) <= {"greedy", "paper"} else
              "expected greedy, paper or greedy,paper",
              batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
-             else "expected comma-separated positive integers")
+             else "expected comma-separated positive integers", gpu_shape=["ouro1.4b", "tiny"])
 
 # Random models whose gates spread the exits over depths 1..4 (decode Ē about 2.5 at τ 0.5). The LM
 # head's weights against the block's: 0.08 for Ouro-1.4B (vocabulary 49,152, 24 layers of 2048), 0.45
@@ -289,29 +293,6 @@ def head_schedule(rows, wb, wh, width=1000):
         ranked = sorted((bound(p, c, s), s, c) for s, c in nxt.items())
         frontier = {s: c for b, s, c in ranked[:width] if b < best}
     return best
-
-
-def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
-    """The baseline a user compares against: batched full-depth generation as Ouro's own code does
-    it: every token runs all U loops on dense per-depth KV lanes, one LM-head call per step for the
-    whole batch. prompts: equal lengths (no padding). Sampled rows draw from generators seeded
-    0..B-1, as the engine's requests of seeds 0..B-1 do."""
-    U, dev = model.config.n_loops, model.lm_head.weight.device
-    cache = DenseLanes(model, U, len(prompts[0]) + n_new, batch=len(prompts))
-    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
-    idx, pos, out = torch.tensor(prompts, device=dev), 0, []
-    with torch.inference_mode():
-        for _ in range(n_new):
-            states, _ = forward_lanes(model, idx, cache, pos, U)
-            pos += idx.shape[1]
-            logits = model.lm_head(states[-1])
-            if temperature == 0:
-                idx = logits.argmax(-1)[:, None]
-            else:
-                idx = torch.tensor([[sample_token(lg.cpu(), temperature, 0, top_p, g)] for lg, g in zip(logits, gens)],
-                                   device=dev)
-            out.append(idx[:, 0])
-    return torch.stack(out, 1).tolist()
 
 
 # ----------------------------------------------------------------------------- engine: the two workloads
@@ -732,7 +713,7 @@ def main(argv):
     if c["threads"]:
         torch.set_num_threads(c["threads"])
     torch.manual_seed(c["seed"])
-    run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train}[c["what"]]
+    run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu}[c["what"]]
     print(json.dumps(run(c)))
 
 

@@ -41,7 +41,8 @@ from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
 from ragged import pool_pages
 from request import Request
-from serve_depthbatch import HEADS, MODES, Engine, scheduler_for
+from serve_depthbatch import HEADS, MODES, scheduler_for
+from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -72,6 +73,7 @@ DEFAULTS = dict(
     kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
     head="shared",         # LM-head calls of the generation runs: shared or eager (serve_depthbatch.HEADS)
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
@@ -80,7 +82,7 @@ DEFAULTS = dict(
 )
 RULES = dict(builtin=["", "synthetic", "pointer", "hops"], builtin_items="in [1, 100000]", builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, device=device_rule, seed=SEED_RULE,
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, seed=SEED_RULE,
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -400,9 +402,9 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
 
 def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
-    unless --kv_pages says otherwise, with --attn and --head, on the scheduler for the mode."""
-    return Engine(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
-                  head=c["head"], scheduler=scheduler_for(mode))
+    unless --kv_pages says otherwise, with --attn, --head and --engine, on the scheduler for the mode."""
+    return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
+                      head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
 
 
 def run_gen(model, items, task, spec, c, encode, decode, shots, ks):

@@ -147,14 +147,22 @@ def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, gr
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_split(Q, K, V, IDS, LENS, O, LSE, scale, split_len,
-                               s_qr, s_qh, s_kp, s_kh, s_vp, s_vh, s_ir, s_or, s_oh, s_os, s_lr, s_lh,
+    def _paged_attention_split(Q, K, V, IDS, REQ, DEPTH, LENS, O, LSE, scale, n_splits,
+                               s_qr, s_qh, s_kp, s_kh, s_vp, s_vh, s_ir, s_id, s_or, s_oh, s_os, s_lr, s_lh,
                                G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
-        """Program (row r, K/V head h, split s): keys [s * split_len, min((s+1) * split_len, length))
-        of row r, for the G query heads of K/V head h. Online softmax (running max m, sum l) in fp32."""
+                               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, TABLE: tl.constexpr):
+        """Program (row r, K/V head h, split s): the s-th of n_splits equal spans (whole blocks) of row
+        r's keys, for the G query heads of K/V head h. Online softmax (running max m, sum l) in fp32.
+        Row r's page ids start at IDS + r * s_ir, or, with TABLE, at its request's table column at its
+        depth, IDS + REQ[r] * s_ir + DEPTH[r] * s_id: read in place, nothing built per pass. The span
+        is computed here from the row's own length, so the grid is fixed while the lengths change."""
         r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        if TABLE:
+            ids_row = IDS + tl.load(REQ + r).to(tl.int64) * s_ir + tl.load(DEPTH + r).to(tl.int64) * s_id
+        else:
+            ids_row = IDS + r.to(tl.int64) * s_ir
         length = tl.load(LENS + r)
+        split_len = ((length + n_splits - 1) // n_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         start = s * split_len
         end = tl.minimum(start + split_len, length)
         g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
@@ -166,7 +174,7 @@ if triton is not None:
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nm = n < end
-            page = tl.load(IDS + r * s_ir + n, mask=nm, other=0).to(tl.int64)    # never read past the length
+            page = tl.load(ids_row + n, mask=nm, other=0).to(tl.int64)    # never read past the length
             k = tl.load(K + page[:, None] * s_kp + h * s_kh + d[None, :], mask=nm[:, None] & dm[None, :], other=0.0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -221,43 +229,67 @@ def paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale=None, n
     """The Triton implementation of the same read (Eq. 7 through the page lists of Eq. 11),
     flash-decoding style. num_splits: key splits per row (None: splits_for); poison: fill the output
     and the split buffers with NaN first, so that anything left unwritten shows."""
+    ids = page_ids.to(device=q.device, dtype=torch.int32).contiguous()
+    S = splits_for(q.shape[0] * k_pages.shape[1], ids.shape[1], block_n) if num_splits is None else num_splits
+    return flash_decode(q, k_pages, v_pages, ids, None, None, lengths.to(device=q.device, dtype=torch.int32), S, scale,
+                        block_n, poison)
+
+
+def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=None, block_n=32, poison=False):
+    """Launch the two kernels: row r reads ids[r] (req None), or the table ids[req[r], depth[r]] (a
+    [requests, depths, keys] tensor). The grid is (rows, K/V heads, n_splits): with n_splits fixed,
+    a launch reads no value on the host, so that a CUDA graph can hold it."""
     if triton is None:
         raise RuntimeError("impl='triton' needs the optional triton package (pip install triton)")
     R, Hq, D = q.shape
     Hkv = k_pages.shape[1]
     G = Hq // Hkv
-    maxlen = page_ids.shape[1]
     scale = D ** -0.5 if scale is None else scale
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         raise ValueError("paged_attention: k_pages and v_pages need a contiguous last dim")
-    q = q.contiguous()
-    ids = page_ids.to(device=q.device, dtype=torch.int32).contiguous()
-    lens = lengths.to(device=q.device, dtype=torch.int32).contiguous()
-    S = splits_for(R * Hkv, maxlen, block_n) if num_splits is None else num_splits
-    split_len = block_n * math.ceil(maxlen / (S * block_n))     # whole blocks per split
-    S = max(1, math.ceil(maxlen / split_len))
+    q = q if q.stride(-1) == 1 else q.contiguous()
     fill = (lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype, device=q.device)) if poison else \
         (lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=q.device))
     out = fill(R, Hq, D, dtype=q.dtype)
     BLOCK_G, BLOCK_D = max(16, triton.next_power_of_2(G)), max(16, triton.next_power_of_2(D))
     ieee = q.dtype == torch.float32
-    if S == 1:   # one split: the kernel writes the normalised output itself
+    if n_splits == 1:   # one split: the kernel writes the normalised output itself
         o, lse = out, out
         so = (out.stride(0), out.stride(1), 0)
         sl = (0, 0)
     else:
-        o = fill(R, Hq, S, D, dtype=torch.float32)
-        lse = fill(R, Hq, S, dtype=torch.float32)
+        o = fill(R, Hq, n_splits, D, dtype=torch.float32)
+        lse = fill(R, Hq, n_splits, dtype=torch.float32)
         so = (o.stride(0), o.stride(1), o.stride(2))
         sl = (lse.stride(0), lse.stride(1))
-    _paged_attention_split[(R, Hkv, S)](
-        q, k_pages, v_pages, ids, lens, o, lse, scale, split_len,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        ids.stride(0), *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT=S > 1, IEEE=ieee)
-    if S > 1:
-        _reduce_splits[(R, Hq)](o, lse, out, S, *so, *sl, out.stride(0), out.stride(1),
-                                D=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(S)))
+    table = req is not None
+    s_ir, s_id = (ids.stride(0), ids.stride(1)) if table else (ids.stride(0), 0)
+    _paged_attention_split[(R, Hkv, n_splits)](
+        q, k_pages, v_pages, ids, req if table else lengths, depth if table else lengths, lengths, o, lse, scale,
+        n_splits, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        s_ir, s_id, *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT=n_splits > 1,
+        IEEE=ieee, TABLE=table)
+    if n_splits > 1:
+        _reduce_splits[(R, Hq)](o, lse, out, n_splits, *so, *sl, out.stride(0), out.stride(1),
+                                D=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
     return out
+
+
+# ----------------------------------------------------------------------------- reading a page table in place
+
+def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl="torch", n_keys=None, n_splits=1,
+                          scale=None):
+    """Row r reads the first lengths[r] entries of table[req[r], depth[r]]: its request's column at its
+    depth (Eq. 7 through Eq. 11), straight from the page table, with no value read on the host (the
+    slot engine's pass, slot_engine.py). table [requests, depths, keys] int64.
+    torch: gathers the first n_keys entries of every row (n_keys >= the longest row) and masks the
+    rest: paged_attention_torch's read. triton: flash_decode with a fixed grid of n_splits."""
+    if impl == "triton":
+        return flash_decode(q, k_pages, v_pages, table, req, depth, lengths, n_splits, scale)
+    ids = table[req, depth, :n_keys]                                               # [R, n_keys]
+    valid = torch.arange(ids.shape[1], device=q.device)[None, :] < lengths[:, None]
+    plan = torch.where(valid, ids, 0).reshape(-1), valid[:, None, None, :], None   # gather_plan's, with a mask always
+    return paged_attention_torch(q, k_pages, v_pages, ids, lengths, scale, plan)
 
 
 # ----------------------------------------------------------------------------- FlexAttention

@@ -12,7 +12,6 @@ engine in serve_depthbatch.py and the forward of ragged-aware training.
 Equation numbers refer to the paper, "Enabling Dynamic Computation in Looped LMs";
 docs/equations.md writes each one out with the function that implements it and its test.
 """
-import math
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +110,8 @@ def attention(q, k, v, mask=None):
 
 
 class Attention(nn.Module):
+    """The projections of grouped-query attention (the attention itself is `attention`, or a cache's)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -119,15 +120,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, kv=None):
-        """kv: None for plain causal self-attention, or a function (q, k, v) -> output through which
-        a cache stores this step's K/V and attends over what the queries may read."""
+    def qkv(self, x, cos, sin):
+        """Queries, keys and values (B, heads, T, D), queries and keys rotated (RoPE)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attention(q, k, v) if kv is None else kv(q, k, v)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, y):
+        """The heads' outputs (B, Hq, T, D) merged and projected back to the model width."""
+        B, _, T, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -143,7 +146,9 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    """The Ouro layer: four RMSNorms ("sandwich"), attention and SwiGLU, no biases."""
+    """The Ouro layer: four RMSNorms ("sandwich"), attention and SwiGLU, no biases. Its two halves
+    around the attention are methods of their own, so that a fast path can compile each once for
+    every layer and run its own attention between them (slot_engine.py)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -154,7 +159,16 @@ class Layer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.n_embd, cfg.norm_eps, cfg.branch_norm_init)
 
     def forward(self, h, cos, sin, kv=None):
-        h = h + self.input_layernorm_2(self.self_attn(self.input_layernorm(h), cos, sin, kv))
+        """kv: None for plain causal self-attention, or a function (q, k, v) -> output through which
+        a cache stores this step's K/V and attends over what the queries may read."""
+        q, k, v = self.before_attention(h, cos, sin)
+        return self.after_attention(h, attention(q, k, v) if kv is None else kv(q, k, v))
+
+    def before_attention(self, h, cos, sin):
+        return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
+
+    def after_attention(self, h, y):
+        h = h + self.input_layernorm_2(self.self_attn.out(y))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 
 

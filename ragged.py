@@ -45,6 +45,27 @@ class DenseLanes:
         return lane_k[:, :, :end], lane_v[:, :, :end], causal_mask(self.pos, T, end, k.device)
 
 
+class StaticLanes(DenseLanes):
+    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, bench_gpu.py): the next
+    position is a tensor on the device, each layer writes its K/V there and attends over the whole
+    lane through a mask of the positions written so far, as gpt-fast's static cache does; `depth`
+    is a Python int (a graph unrolls the loops)."""
+
+    def __init__(self, model, n_lanes, max_len, batch=1):
+        super().__init__(model, n_lanes, max_len, batch)
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.k.device)
+
+    def begin(self, depth, pos=None):
+        self.depth = depth
+
+    def layer_kv(self, layer, k, v):
+        at = self.pos + torch.arange(k.shape[2], device=k.device)               # this chunk's positions
+        lane_k, lane_v = self.k[self.depth, layer], self.v[self.depth, layer]
+        lane_k.index_copy_(2, at, k)
+        lane_v.index_copy_(2, at, v)
+        return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
+
+
 # ----------------------------------------------------------------------------- Ragged KV pages (App. A.1)
 
 def page_bytes(model):
@@ -86,9 +107,12 @@ class PagePool:
     """Physical K/V storage. One page = one token's K and V at one depth, in every layer.
     k[layer, page] has shape (n_kv_head, head_dim). A free list hands pages out."""
 
-    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu", scratch=False):
         self.n_pages = n_pages
-        self.k = torch.zeros(n_layer, n_pages, n_kv_head, head_dim, dtype=dtype, device=device)
+        # scratch: one more page, past the last, that padding rows of a static batch write and no row
+        # reads (slot_engine.py); it is never handed out
+        self.scratch = n_pages if scratch else None
+        self.k = torch.zeros(n_layer, n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.owner = [None] * n_pages                 # which sequence holds each page
@@ -96,9 +120,9 @@ class PagePool:
         self.writes = 0
 
     @classmethod
-    def for_model(cls, model, n_pages):
+    def for_model(cls, model, n_pages, scratch=False):
         cfg, p = model.config, model.lm_head.weight
-        return cls(n_pages, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, p.dtype, p.device)
+        return cls(n_pages, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, p.dtype, p.device, scratch)
 
     @property
     def used(self):
@@ -171,8 +195,27 @@ class RaggedSeq:
         return pages
 
     def stop(self, pos, d):
-        """Tokens in `pos` ran their last depth d (0-based): deeper rows alias P_{i,d} (Eq. 11)."""
-        self.table[pos, d + 1:] = self.table[pos, d:d + 1]
+        """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per token):
+        deeper rows alias P_{i,d} (Eq. 11). Pages reserved for the deeper depths (slot_engine.py
+        reserves every depth of a position before it runs, as the paper's vLLM runner does) go back
+        to the pool: they were never computed."""
+        d = torch.as_tensor(d).reshape(-1).expand(len(pos))
+        deeper = torch.arange(self.U)[None, :] > d[:, None]                       # [len(pos), U]
+        ahead = self.real[pos] & deeper
+        if ahead.any():
+            self.pool.release(self.table[pos][ahead].tolist(), self)
+            self.real[pos] &= ~deeper
+            self.block_evals -= int(ahead.sum())
+        rows = self.table[pos]
+        self.table[pos] = torch.where(deeper, rows.gather(1, d[:, None]), rows)
+
+    def unreserve(self, start):
+        """Give back the pages reserved for positions start.. that never ran; the table ends at start."""
+        self._live()
+        ahead = self.real[start:self.n]
+        self.pool.release(self.table[start:self.n][ahead].tolist(), self)
+        self.block_evals -= int(ahead.sum())
+        self.table[start:self.n], self.real[start:self.n], self.n = -1, False, start
 
     def collapse(self, pos, depth):
         """Table 17 baselines: read token i at one depth (0-based depth[i]) from every depth, and

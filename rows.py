@@ -14,14 +14,13 @@ from model import at_least_fp32
 
 class Live:
     """The engine's own state of one admitted request: its page table, the rows in flight, how far
-    its positions have run, its sampler, and what preemption has cost it."""
+    its positions have run, and what preemption has cost it."""
 
     def __init__(self, req, id):
         self.req, self.id = req, id
         self.seq = None                 # RaggedSeq while it holds pages
         self.group = None               # its rows in flight (a Group), if any
         self.done = 0                   # positions whose rows all finished
-        self.generator = torch.Generator().manual_seed(req.seed)
         self.evals_before = 0           # block evaluations of caches freed by preemption
         self.ending = False             # the last token is sampled; ends when its group finishes
         self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)

@@ -34,7 +34,8 @@ from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_c
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
-from serve_depthbatch import HEADS, MODES, Engine, scheduler_for
+from serve_depthbatch import HEADS, MODES, scheduler_for
+from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -56,6 +57,7 @@ DEFAULTS = dict(
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="shared",         # LM-head calls: shared (exited rows wait to share one; a fixed batch's deepest never waits) or eager
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
@@ -66,7 +68,7 @@ DEFAULTS = dict(
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS, head=HEADS,
-             dtype=list(DTYPES))
+             engine=ENGINES, dtype=list(DTYPES))
 
 
 def check_args(c, U):
@@ -179,8 +181,8 @@ def main(argv):
     try:
         # every sample's prompt in one pass: the samples start together, and their pages lie on a
         # grid that the attention reads in place (kernels.grid_of)
-        engine = Engine(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids), attn=c["attn"],
-                        head=c["head"], scheduler=scheduler_for(mode))
+        engine = engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids), attn=c["attn"],
+                            head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

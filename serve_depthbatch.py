@@ -129,6 +129,66 @@ def check_request(r, cfg, n_pages):
                         f"in mode {r.mode}, {r.max_tokens} new tokens) but the pool has {n_pages}")
 
 
+def as_fixed(r, U):
+    """The fixed scheduler runs every request as Ouro's code does, every token all its loops: the
+    request becomes a fixed one (a fixed request keeps its depth)."""
+    if r.mode in MODES:
+        depth = (r.depth if r.mode == "fixed" else 0) or U
+        r.mode, r.depth, r.prefill_thr, r.prefill_schedule, r.prefix_full = "fixed", depth, None, "", 0
+
+
+def position_rules(r, start, end):
+    """How the rows of positions start..end-1 of request r run, by its mode (MODES): per position the
+    threshold τ, whether it runs on to its last depth after its exit (full), the exit it replays
+    after a preemption (forced; 0: decide) and the Table 17 depth it keeps."""
+    n = len(r.prompt)
+    taus, full, forced, keep = [], [], [], []
+    ptaus = None
+    for p in range(start, end):
+        kind, run_full, keep_rule = MODES[r.mode]["prompt" if p < n else "decode"]
+        if kind == "never":
+            tau = FULL
+        elif kind == "thr":
+            tau = r.thr
+        else:
+            if ptaus is None:
+                ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule, r.prefix_full).tolist()
+            tau = ptaus[p]
+        taus.append(tau)
+        full.append(run_full)
+        forced.append(r.exits[p] if p < len(r.exits) else 0)
+        keep.append(keep_rule)
+    return taus, full, forced, keep
+
+
+def keeps_one_depth(r):
+    """Table 17 baselines: their prompt runs whole and their tokens one at a time, as defined."""
+    return MODES[r.mode]["prompt"][2] is not None or MODES[r.mode]["decode"][2] is not None
+
+
+def chunk_end(s, budget):
+    """Where the next chunk of positions of s (s.done.., up to s.runnable()) ends, given the rows left
+    in this step's budget; None: wait. A decode token always runs."""
+    n, start, avail = len(s.req.prompt), s.done, s.runnable()
+    if start >= avail:
+        return None
+    if keeps_one_depth(s.req):
+        return n if start < n else start + 1
+    if start == avail - 1:
+        return avail                    # one decode token: always runs
+    return min(avail, start + budget) if budget > 0 else None
+
+
+def fit_chunk(s, end, free, U):
+    """A chunk that needs more than the free pages (a row takes one per depth it may run) starts
+    smaller; None: it waits (nothing fits, or a Table 17 prompt, which runs whole)."""
+    depths = n_run(s.req, U)
+    if (end - s.done) * depths <= free:
+        return end
+    end = s.done + max(free // depths, 0)
+    return None if end <= s.done or keeps_one_depth(s.req) else end
+
+
 def weight_bytes(model):
     """The weights a pass of the block reads (all L layers) and those an LM-head call reads: the two
     prices of the weight-read cost model (decode is weight-bound at small batch)."""
@@ -177,9 +237,8 @@ class Engine:
     def add(self, r):
         """Queue a request after checking it. Raises UserError (nothing queued) if it is malformed
         or could never fit in the whole pool."""
-        if self.scheduler == "fixed" and r.mode in MODES:   # the Ouro baseline: every token all its loops
-            depth = (r.depth if r.mode == "fixed" else 0) or self.U      # a fixed request keeps its depth
-            r.mode, r.depth, r.prefill_thr, r.prefill_schedule, r.prefix_full = "fixed", depth, None, "", 0
+        if self.scheduler == "fixed":
+            as_fixed(r, self.U)
         self.check_request(r)
         self.waiting.append(Live(r, self.next_id))
         self.next_id += 1
@@ -347,7 +406,7 @@ class Engine:
 
     def _sample(self, rows):
         """The LM head on the rows [(Live, normed state)] whose exit samples their request's next
-        token (one call for all), and the sampling, each request with its own generator."""
+        token (one call for all), and the sampling, each request keyed by its seed and the position."""
         if not rows:
             return
         logits = self.model.lm_head(torch.stack([h for _, h in rows]))
@@ -358,7 +417,8 @@ class Engine:
             r = s.req
             if r.keep_logits:
                 r.logits.append(lg.detach().cpu())
-            tok = top if r.temperature == 0 else sample_token(lg.cpu(), r.temperature, r.top_k, r.top_p, s.generator)
+            position = len(r.prompt) + len(r.tokens) - 1      # of the row that exited: keys the sampler's noise
+            tok = top if r.temperature == 0 else sample_token(lg, r.temperature, r.top_k, r.top_p, r.seed, position)
             r.tokens.append(tok)
             self.emitted.append((r, tok))
             if r.on_token is not None:
@@ -388,55 +448,15 @@ class Engine:
     def _new_group(self, s, end):
         """Rows for positions s.done..end-1: replayed positions run to their recorded exits."""
         r = s.req
-        n, start = len(r.prompt), s.done
-        ctx = r.prompt + r.tokens
-        taus, full, forced, keep = [], [], [], []
-        ptaus = None
-        for p in range(start, end):
-            kind, run_full, keep_rule = MODES[r.mode]["prompt" if p < n else "decode"]
-            if kind == "never":
-                tau = FULL
-            elif kind == "thr":
-                tau = r.thr
-            else:
-                if ptaus is None:
-                    ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule, r.prefix_full).tolist()
-                tau = ptaus[p]
-            taus.append(tau)
-            full.append(run_full)
-            forced.append(r.exits[p] if p < len(r.exits) else 0)
-            keep.append(keep_rule)
+        taus, full, forced, keep = position_rules(r, s.done, end)
         if end > s.seq.n:
             s.seq.extend(end - s.seq.n)           # the sequence's table covers every position started
-        g = Group(s, start, ctx[start:end], taus, full, forced, keep, n_run(r, self.U))
+        ctx = r.prompt + r.tokens
+        g = Group(s, s.done, ctx[s.done:end], taus, full, forced, keep, n_run(r, self.U))
         if end == len(ctx):                     # the newest token: its exit samples the next one
             g.sample_pos = end - 1
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
         return g
-
-    def _keeps(self, r):
-        """Table 17 baselines: their prompt runs whole and their tokens one at a time, as defined."""
-        return MODES[r.mode]["prompt"][2] is not None or MODES[r.mode]["decode"][2] is not None
-
-    def _group_end(self, s, budget):
-        """Where the next group of s ends, given the rows left in this step's budget; None: wait."""
-        n, start, avail = len(s.req.prompt), s.done, s.runnable()
-        if start >= avail:
-            return None
-        if self._keeps(s.req):
-            return n if start < n else start + 1
-        if start == avail - 1:
-            return avail                    # one decode token: always runs
-        return min(avail, start + budget) if budget > 0 else None
-
-    def _fit(self, s, end, free):
-        """A chunk that needs more than the free pages (a row takes one per depth it may run) starts
-        smaller; None: it waits (nothing fits, or a Table 17 prompt, which runs whole)."""
-        depths = n_run(s.req, self.U)
-        if (end - s.done) * depths <= free:
-            return end
-        end = s.done + max(free // depths, 0)
-        return None if end <= s.done or self._keeps(s.req) else end
 
     def _start_groups(self):
         """Give every running request without rows its next group, and admit waiting requests,
@@ -451,9 +471,9 @@ class Engine:
         joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
         for s in list(self.running):
             if s.group is None and joins(s):
-                end = self._group_end(s, self.max_rows - rows)
+                end = chunk_end(s, self.max_rows - rows)
                 if end is not None and end - s.done > 1:    # one decode row always starts (allocation preempts)
-                    end = self._fit(s, end, free)
+                    end = fit_chunk(s, end, free, self.U)
                 if end is None:
                     continue
                 s.group = self._new_group(s, end)
@@ -462,12 +482,12 @@ class Engine:
                 started, wave = True, n_run(s.req, self.U)
         while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
             s = self.waiting[0]
-            end = self._group_end(s, self.max_rows - rows)
+            end = chunk_end(s, self.max_rows - rows)
             if end is None:
                 break
             if s.req.exits and self.running and free < sum(s.req.exits) + n_run(s.req, self.U):
                 break   # a preempted request returns when its replay and one more token fit: no thrashing
-            end = self._fit(s, end, free)
+            end = fit_chunk(s, end, free, self.U)
             if end is None:
                 break
             self.waiting.popleft()

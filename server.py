@@ -32,7 +32,8 @@ from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
 from request import SEED_MAX, Request
-from serve_depthbatch import HEADS, SCHEDULERS, Engine
+from serve_depthbatch import HEADS, SCHEDULERS
+from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, has_chat
 
 MAX_BODY = 16 << 20                       # bytes of one request body
@@ -393,13 +394,14 @@ DEFAULTS = dict(
     scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all loops at once (fixed)
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
     verbose=False,         # log every HTTP request
 )
 RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
-             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, device=device_rule, dtype=list(DTYPES))
+             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, dtype=list(DTYPES))
 
 
 def main(argv):
@@ -410,7 +412,7 @@ def main(argv):
     if pages < cfg.n_loops:
         raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth ({cfg.n_loops} pages)")
     chat = encode is not None and has_chat(meta)
-    engine = Engine(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"])
+    engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"], c["engine"])
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
     server.verbose = c["verbose"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import (gather_plan, grid_of, paged_attention, paged_attention_flex, paged_attention_torch,
-                     paged_attention_triton, paged_chunk_attention)
+from kernels import (gather_plan, grid_of, paged_attention, paged_attention_flex, paged_attention_table,
+                     paged_attention_torch, paged_attention_triton, paged_chunk_attention)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -158,6 +158,50 @@ def test_triton_splits_follow_the_heuristic_and_agree():
     assert torch.allclose(one, many, atol=2e-5, rtol=1e-4)
 
 
+def random_table(R, Hkv, D, maxlen, U=4, S=3, dtype=torch.float32):
+    """A page table [S + 1, U, maxlen] with repeats (aliases) and rows (request, depth, length)."""
+    P = max(8, maxlen // 2)
+    k, v = torch.randn(P, Hkv, D, dtype=dtype), torch.randn(P, Hkv, D, dtype=dtype)
+    table = torch.randint(0, P, (S + 1, U, maxlen))
+    req, depth = torch.randint(0, S + 1, (R,)), torch.randint(0, U, (R,))
+    lengths = torch.randint(1, maxlen + 1, (R,))
+    lengths[0] = maxlen
+    return k, v, table, req, depth, lengths
+
+
+@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen,splits", CASES)
+def test_reading_the_page_table_in_place_equals_the_reference(R, Hq, Hkv, D, maxlen, splits):
+    """The slot engine's read: row r's keys are table[req[r], depth[r], :lengths[r]], read in place. The
+    torch path against a float64 loop over the same lists; the Triton kernel, its grid fixed by
+    n_splits and each row's span computed on the device, against the torch path (NaN-poisoned)."""
+    k, v, table, req, depth, lengths = random_table(R, Hkv, D, maxlen)
+    q = torch.randn(R, Hq, D)
+    ids = table[req, depth]
+    ref = paged_attention_table(q, k, v, table, req, depth, lengths, "torch", n_keys=maxlen)
+    assert torch.allclose(ref.double(), loop_reference(q, k, v, ids, lengths), atol=2e-5, rtol=0)
+    n = splits or kernels.splits_for(R * Hkv, maxlen, 32)
+    out = kernels.flash_decode(q, k, v, table, req, depth, lengths, n, poison=True)
+    assert not out.isnan().any()
+    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)                 # queries as the pass has them
+    assert torch.allclose(paged_attention_table(strided, k, v, table, req, depth, lengths, "triton", n_splits=n), out,
+                          atol=1e-6, rtol=0)
+
+
+def test_the_slot_engine_gives_the_same_tokens_with_the_triton_kernel():
+    from conftest import clone, prompt, varied_model
+    from request import Request
+    from slot_engine import SlotEngine
+    model = varied_model().float()
+    reqs = [Request(prompt(9), 8, "ete_ragged", 0.4, keep_logits=True), Request(prompt(5), 6, "dense_ragged", 0.3,
+                                                                             keep_logits=True)]
+    a = SlotEngine(model, 500, attn="torch", keep_logits=True).run([clone(r) for r in reqs])
+    b = SlotEngine(model, 500, attn="triton", keep_logits=True).run([clone(r) for r in reqs])
+    for x, y in zip(a, b):
+        assert x.exits == y.exits and x.tokens == y.tokens
+        assert torch.allclose(torch.stack(x.logits), torch.stack(y.logits), atol=1e-4, rtol=1e-4)
+
+
 def test_flex_attention_equals_the_reference_on_the_cpu():
     q, k, v, ids, lengths = random_case(24, 8, 2, 32, 96, P=160)
     # a row's list holds each page at most once (one page per position at one depth)
@@ -189,7 +233,7 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
 
 def test_the_core_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels, model, ragged, serve_depthbatch, server, checkpoint, tokenizer, bench, sample, train\n"
+            "import kernels, model, ragged, serve_depthbatch, slot_engine, server, checkpoint, tokenizer, bench, sample, train\n"
             "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
             "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,831 @@
+"""
+The depth-batching engine as one pure pass over buffers of fixed shape: the pass a CUDA graph replays.
+
+serve_depthbatch.Engine is the reference: Python lists of rows, a page table per request on the
+host, decisions taken row by row. On a GPU that costs more than the work itself: every pass reads
+values back to the host (which rows exited, which tokens were sampled) and launches about fifty
+small kernels a layer, so the GPU waits on the host. This engine keeps the Engine's rules and
+results (the same tokens, exits of every position, pages and passes; test_slots.py checks it in
+float64) and moves its state to the device, in buffers allocated once (Slots):
+
+  * one row slot per row (a token of a request at a depth). A decode row whose exit samples a
+    token restarts in place at depth 1 with that token on the next pass, so the rows change only
+    when requests come and go;
+  * the page tables live on the device: each row writes the page the host reserved for its
+    (position, depth) and reads its request's column at its depth (Eq. 7 through Eq. 11), and a row
+    that stops aliases its deeper entries there (Eq. 11); the exit rule (Eq. 4) is model.exit_now;
+  * tokens are sampled on the device, keyed by (seed, position) (request.sample_tokens);
+  * the pass writes what it decided to a log; the host reads it once every few passes and keeps
+    what belongs to the host: admission, page ownership and reservation, preemption and replay,
+    the requests' tokens and callbacks.
+
+run_pass is a pure function of those buffers: no value is read on the host and no Python branch
+depends on data, so it runs on the `meta` device and compiles to one graph (test_slots.py). On
+CUDA each bucket of rows (1, 2, 4, 8, ...) is captured once as a CUDA graph and replayed, its
+pointwise work fused by torch.compile (each half of a layer compiled once for all layers). What
+the pass does not cover stays with the Engine: the nested scheduler, the shared LM head, the
+Table 17 caches. engine_for picks the engine for a device.
+
+Read top to bottom: the buffers; the pass, in its phases; the host (SlotEngine); the graphs.
+"""
+import sys
+from collections import deque
+from types import SimpleNamespace
+
+import torch
+
+from configurator import UserError
+from kernels import paged_attention_table, resolve_impl, splits_for
+from model import FULL, Layer, at_least_fp32, exit_now
+from ragged import PagePool, RaggedSeq, memory_bytes, page_bytes
+from request import sample_tokens, seed_bits
+from serve_depthbatch import (MODES, Engine, as_fixed, check_request, chunk_end, fit_chunk, keeps_one_depth, n_run,
+                              position_rules)
+
+SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
+ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
+LOG = ("req", "pos", "depth", "exit", "tok", "stop", "go")   # per pass and row: what the host reads back
+ROWS = ("tok", "pos", "depth", "req", "n_run", "forced", "exit", "pend", "h", "survive", "tau", "full", "active",
+        "sample", "fresh", "hold")
+
+
+def bucket(n, cap):
+    """The row count a pass runs: the next power of two >= n, at most cap (a graph per bucket)."""
+    return min(cap, 1 << max(n - 1, 0).bit_length())
+
+
+# ----------------------------------------------------------------------------- the buffers
+
+class Slots:
+    """Every buffer a pass reads or writes, allocated once, so that a CUDA graph can hold their
+    addresses. R row slots; S request slots plus one, S, the padding request that idle rows belong
+    to (its table points at the pool's scratch page); per request slot its page table
+    [U, n_keys] on the device; RoPE of every position; a ring of log entries."""
+
+    def __init__(self, model, pool, n_rows, n_reqs, n_keys, log_len, n_stop=8, keep_logits=False):
+        cfg, dt = model.config, model.lm_head.weight.dtype
+        dev, pdt = pool.k.device, at_least_fp32(dt)
+        R, S, U = n_rows, n_reqs, cfg.n_loops
+        ints = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.long, device=dev)
+        flags = lambda *shape: torch.zeros(shape, dtype=torch.bool, device=dev)
+        reals = lambda *shape, fill=0.0: torch.full(shape, fill, dtype=pdt, device=dev)
+        self.R, self.S, self.U, self.n_keys, self.scratch = R, S, U, n_keys, pool.scratch
+        self.k, self.v = pool.k, pool.v
+        # rows: the token a row runs (embedded when fresh), its position, depth (0-based, the one it
+        # runs next), request slot, depths it may run, replayed exit (0: decide), decided exit
+        # (1-based, 0: none), a sampled token it carries (-1: none); its state and Π(1-λ) (Eq. 4), τ;
+        # whether it runs on after its exit (full), runs at all (active), samples at its exit,
+        # starts a position (fresh), holds a token until its request's other rows finish (hold)
+        self.tok, self.pos, self.depth, self.n_run = ints(R), ints(R), ints(R), ints(R, fill=1)
+        self.req, self.forced, self.exit, self.pend = ints(R, fill=S), ints(R), ints(R), ints(R, fill=-1)
+        self.h = torch.zeros(R, cfg.n_embd, dtype=dt, device=dev)
+        self.survive, self.tau = reals(R, fill=1.0), reals(R, fill=FULL)
+        self.full, self.active, self.sample, self.fresh, self.hold = flags(R), flags(R), flags(R), flags(R), flags(R)
+        # request slots: page table, tokens sampled and allowed, stop ids, how a decode row runs
+        # (τ, full, depths), the sampler's parameters, whether it has ended, the last position
+        # whose pages are reserved (horizon)
+        self.table = ints(S + 1, U, n_keys, fill=pool.scratch)
+        self.ntok, self.max_tok, self.dec_n_run, self.horizon = ints(S + 1), ints(S + 1), ints(S + 1, fill=1), ints(S + 1, fill=-1)
+        self.stop_ids = ints(S + 1, n_stop, fill=-1)
+        self.dec_tau, self.dec_full, self.ended = reals(S + 1, fill=FULL), flags(S + 1), flags(S + 1)
+        self.seed, self.top_k = ints(S + 1), ints(S + 1)
+        self.temperature, self.top_p = reals(S + 1), reals(S + 1, fill=1.0)
+        self.cos, self.sin = model.rope(torch.arange(n_keys, device=dev), dt)    # what model.rope gives, once
+        self.t = ints(1)                                                        # passes run (the log's write index)
+        self.log = ints(log_len, len(LOG), R)
+        self.logits = torch.zeros(log_len, R, cfg.vocab_size, dtype=dt, device=dev) if keep_logits else None
+
+    def buffers(self):
+        """Everything a pass changes, but the page pool (for a capture to restore)."""
+        return [getattr(self, name) for name in ROWS + ("table", "ntok", "ended", "t", "log")] + (
+            [self.logits] if self.logits is not None else [])
+
+
+# ----------------------------------------------------------------------------- the pass
+
+def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling=False, phases=None):
+    """One application of the block to the first R row slots, each row at its own position and depth,
+    and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling where an
+    exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in place with
+    its sampled token, or going idle. head=False: a pass in which no row can exit (inside a fixed
+    wave); sampling=False: every row greedy. phases: the functions below (PLAIN), or their compiled
+    versions (on CUDA); attn, n_keys, n_splits: how rows read their keys (kernels.paged_attention_table)."""
+    ph = phases or PLAIN
+    h, cos, sin, wpage, lengths = ph.start(model, st, R)
+    for i, layer in enumerate(model.layers):          # model.block, each layer's halves around the paged attention
+        q, k, v = ph.before(layer, h, cos, sin)
+        h = ph.after(layer, h, attend_rows(st, R, i, q, k, v, wpage, lengths, attn, n_keys, n_splits))
+    ph.finish(model, st, R, h, head, sampling)
+
+
+def start_rows(model, st, R):
+    """A row that starts a position embeds its token; every active row writes the page the host
+    reserved for its (position, depth) (idle rows write the scratch page) and reads keys 0..its
+    position (idle rows one)."""
+    fresh, active, req, pos, depth = st.fresh[:R], st.active[:R], st.req[:R], st.pos[:R], st.depth[:R]
+    st.h[:R] = torch.where(fresh[:, None], model.embed_tokens(st.tok[:R]), st.h[:R])
+    st.survive[:R] = torch.where(fresh, 1.0, st.survive[:R])                 # nothing exited yet
+    wpage = torch.where(active, st.table[req, depth, pos], st.scratch)
+    return st.h[:R][None], st.cos[pos], st.sin[pos], wpage, torch.where(active, pos + 1, 1)
+
+
+def attend_rows(st, R, layer, q, k, v, wpage, lengths, attn, n_keys, n_splits):
+    """Every row writes its K/V at its page, then (all writes first, so that the rows of a prompt
+    chunk see each other at the same depth) reads its request's table column at its depth: every
+    earlier token j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11)."""
+    kl, vl = st.k[layer], st.v[layer]
+    kl.index_copy_(0, wpage, k[0].transpose(0, 1))
+    vl.index_copy_(0, wpage, v[0].transpose(0, 1))
+    y = paged_attention_table(q[0].transpose(0, 1), kl, vl, st.table, st.req[:R], st.depth[:R], lengths, attn,
+                              n_keys or st.n_keys, n_splits)
+    return y.transpose(0, 1)[None]
+
+
+def finish_rows(model, st, R, h, head, sampling):
+    """After the block: the exits (Eq. 4), the LM head, the aliases (Eq. 11), and each row's next state."""
+    hn, gate, h_next = model.exit_heads(h[0])
+    newly, runs_on, survive = decide_exits(st, R, gate)
+    tok, emit, logits = sample_rows(model, st, R, hn, newly, head, sampling)
+    stop = st.active[:R] & ~runs_on
+    alias_stopped(st, R, stop)
+    advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits)
+
+
+def decide_exits(st, R, gate):
+    """Eq. 4 online, each row with its own τ (model.exit_now, the rule of the references); a replayed
+    row exits where it did; the last depth always exits. A full row (Ouro mode, a Dense-Ragged
+    prompt) runs on to its last depth after its exit. Returns the rows whose exit is decided now,
+    those that run on, and Π(1-λ)."""
+    active, depth, forced = st.active[:R], st.depth[:R], st.forced[:R]
+    survive, hit = exit_now(st.survive[:R], gate, st.tau[:R])
+    hit = torch.where(forced > 0, forced == depth + 1, hit)
+    last = depth == st.n_run[:R] - 1
+    newly = active & (st.exit[:R] == 0) & (hit | last)
+    runs_on = active & torch.where(newly, st.full[:R] & ~last, ~last)
+    return newly, runs_on, survive
+
+
+def sample_rows(model, st, R, hn, newly, head, sampling):
+    """The LM head on every row (static shapes), and a token for each row whose exit samples one:
+    the argmax, or request.sample_tokens keyed by the request's seed and the row's position."""
+    if not head:
+        zeros = torch.zeros(R, dtype=torch.long, device=hn.device)
+        return zeros, zeros.bool(), None
+    logits = model.lm_head(hn)
+    req = st.req[:R]
+    tok = (sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R])
+           if sampling else logits.argmax(-1))
+    return tok, newly & st.sample[:R], logits
+
+
+def alias_stopped(st, R, stop):
+    """Eq. 11: a row that stops at depth d points its deeper table entries at its page of depth d
+    (A_d[i] = P_{i, min(d, e_i)}), so that later reads find it at every deeper depth. Writes never
+    go through an alias: a row writes only its own (position, depth) before it stops."""
+    req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
+    d = torch.arange(st.U, device=pos.device)
+    cols = req[:, None], d[None, :], pos[:, None]
+    col = st.table[cols]                                                       # [R, U]: the row's position, every depth
+    st.table[cols] = torch.where(stop[:, None] & (d[None, :] > depth[:, None]), col.gather(1, depth[:, None]), col)
+
+
+def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits):
+    """Each row's next state, and the log. A row that runs on carries its state to the next depth. A
+    row that stopped with a sampled token restarts in place, at the next position and depth 1 with
+    that token, once its request has no other row in flight (the Engine starts a request's next
+    token when its previous group has finished), unless the request has ended (max_tokens or a stop
+    id) or that position has no pages yet; until then it holds the token. The others go idle."""
+    req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
+    pend = torch.where(emit, tok, st.pend[:R])
+    st.ntok.index_add_(0, req, emit.long())
+    at_end = emit & ((st.ntok[req] >= st.max_tok[req]) | (st.stop_ids[req] == tok[:, None]).any(1))
+    st.ended.logical_or_(torch.zeros_like(st.ntok).index_add_(0, req, at_end.long()) > 0)
+    in_flight = torch.zeros_like(st.ntok).index_add_(0, req, runs_on.long())
+    waits = (stop | st.hold[:R]) & (pend >= 0)
+    ended = st.ended[req]
+    go = waits & (in_flight[req] == 0) & ~ended & (pos < st.horizon[req])
+    hold = waits & ~go & ~ended
+    idle = ~runs_on & ~go & ~hold
+    entry = torch.stack([req, pos, torch.where(st.active[:R], depth + 1, 0), torch.where(newly, depth + 1, 0),
+                         torch.where(emit, tok, -1), stop.long(), go.long()])
+    at = st.t % st.log.shape[0]
+    st.log[:, :, :R].index_copy_(0, at, entry[None])
+    if st.logits is not None and logits is not None:
+        st.logits[:, :R].index_copy_(0, at, logits[None])
+    st.t += 1
+    new = dict(tok=torch.where(go, pend, st.tok[:R]), pos=pos + go.long(),
+               depth=torch.where(go, 0, depth + runs_on.long()), exit=torch.where(go, 0, torch.where(newly, depth + 1, st.exit[:R])),
+               h=torch.where(runs_on[:, None], h_next, st.h[:R]), survive=torch.where(runs_on, survive, st.survive[:R]),
+               tau=torch.where(go, st.dec_tau[req], st.tau[:R]), full=torch.where(go, st.dec_full[req], st.full[:R]),
+               n_run=torch.where(go, st.dec_n_run[req], st.n_run[:R]), forced=torch.where(go, 0, st.forced[:R]),
+               sample=st.sample[:R] | go, fresh=go, active=runs_on | go, hold=hold,
+               pend=torch.where(go | idle, -1, pend), req=torch.where(idle, st.S, req))
+    for name, value in new.items():
+        getattr(st, name)[:R] = value
+
+
+PLAIN = SimpleNamespace(start=start_rows, before=Layer.before_attention, after=Layer.after_attention, finish=finish_rows)
+
+
+def compiled_phases():
+    """The pass's phases compiled by torch.compile (Inductor): each fuses its pointwise work (norms,
+    RoPE, SwiGLU, residuals, the exit maths) into a few kernels. A layer's halves take the layer as an
+    argument, so one compiled graph serves every layer; the paged attention stays outside. Shapes are
+    left to Dynamo (a second bucket recompiles a phase once, shape-generic), so that buckets cost few
+    compilations; each bucket is then captured as a graph of its own."""
+    import torch._dynamo
+    for key in ("recompile_limit", "cache_size_limit"):     # kinds of pass: head or not, sampling or not
+        if hasattr(torch._dynamo.config, key):
+            setattr(torch._dynamo.config, key, 64)
+    return SimpleNamespace(**{k: torch.compile(f) for k, f in vars(PLAIN).items()})
+
+
+# ----------------------------------------------------------------------------- the host
+
+class Seat:
+    """A request admitted to the slot engine: its request slot on the device and the host's record of
+    where it stands (positions started and done, rows in flight, pages reserved ahead)."""
+
+    def __init__(self, req, id):
+        self.req, self.id = req, id
+        self.slot = None            # its request slot on the device
+        self.seq = None             # RaggedSeq: the pages it owns; the device table mirrors its table
+        self.done = 0               # positions whose rows have all finished (chunk_end starts here)
+        self.started = 0            # positions whose rows have started
+        self.host_end = 0           # positions the host starts (prompt, replay); later ones restart on the device
+        self.rows = 0               # its rows running on the device
+        self.holding = False        # its sampled token waits on the device for its rows to finish
+        self.exits = {}             # exits decided, by position, until they join req.exits
+        self.stops = []             # (position, depth) of rows that stopped, until the host table takes them
+        self.reserved = -1          # the last position whose pages are reserved
+        self.ending = False         # the last token is sampled; it ends when its rows have finished
+        self.evals_before = 0       # block evaluations of caches freed by preemption
+
+    def runnable(self):
+        """Positions it must run: every known token but a final sampled one (that one never runs)."""
+        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
+
+    def last_position(self):
+        return len(self.req.prompt) + self.req.max_tokens - 2
+
+
+class SlotEngine:
+    """The Engine's interface and rules (serve_depthbatch.Engine: add, step, run, busy, check, stats,
+    finished), over Slots and run_pass. A step applies the host's decisions, runs `sync_every` passes
+    (one when a decision may be due: requests wait, or a prompt has chunks to go) and reads their log.
+
+    Where it departs from the Engine, by design: pages are reserved for every depth of a position
+    before it runs (the device decides the exits) and returned at its exit, so a tight pool preempts
+    earlier; a fixed wave holds requests of one depth until they finish; the nested scheduler, the
+    shared head and the Table 17 modes are the Engine's alone. graphs: capture each bucket as a CUDA
+    graph; fuse: compile the pass's phases (compiled_phases); "auto": both on CUDA."""
+
+    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
+                 sync_every=8, graphs="auto", fuse="auto", overlap=True, keep_logits=False, n_stop=8):
+        if scheduler not in SCHEDULERS:
+            raise UserError(f"--scheduler={scheduler!r}; allowed with the slot engine: {', '.join(SCHEDULERS)} "
+                            "(the nested scheduler runs on --engine=eager)", "scheduler")
+        self.model, self.U = model, model.config.n_loops
+        self.device = model.lm_head.weight.device
+        try:
+            attn = resolve_impl(attn, self.device)
+        except ValueError as e:
+            raise UserError(str(e), "attn")
+        if attn == "flex":
+            raise UserError("--attn=flex builds its mask on the host; the slot engine reads torch or triton", "attn")
+        need, have = kv_pages * page_bytes(model), memory_bytes(self.device)
+        if need > have:
+            raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
+                            f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
+        self.pool = PagePool.for_model(model, kv_pages, scratch=True)
+        self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
+        self.sync_every, self.head = sync_every, "eager"
+        n_keys = model.config.block_size
+        self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U), n_stop,
+                           keep_logits)
+        self.n_splits = lambda R: splits_for(R * model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
+        cuda = self.device.type == "cuda"
+        self.graphs = Graphs(self.slots.buffers) if (cuda if graphs == "auto" else graphs) else None
+        self.phases = compiled_phases() if (cuda if fuse == "auto" else fuse) else PLAIN
+        self.waiting, self.running, self.finished = deque(), [], []
+        self.by_slot, self.free_slots = [None] * max_batch, list(range(max_batch - 1, -1, -1))
+        self.next_id = 0
+        # the host's copy of the rows, as of the last log read and its own writes since: which are live
+        # (running or holding a token), of which request slot, how many run; and what it will write
+        self.live = torch.zeros(self.slots.R, dtype=torch.bool)
+        self.row_req = torch.full((self.slots.R,), max_batch, dtype=torch.long)
+        self.slots_active, self.R_now, self.launched = 0, 1, []
+        self.restarted = set()                                         # seats the device restarted in the last pass
+        self._rows, self._pages = [], []
+        # passes whose log is not read yet (see step), and the pinned host buffers of the copies
+        self.overlap, self.ticket, self.pinned, self.flip = overlap, None, {}, 0
+        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
+        self.emitted, self.passes_run = [], 0
+
+    # ------------------------------------------------------------------ the Engine's interface
+
+    def add(self, r):
+        """Queue a request after checking it (UserError, nothing queued, if it is malformed, could never
+        fit the pool, or asks for what this engine leaves to the Engine)."""
+        if self.scheduler == "fixed":
+            as_fixed(r, self.U)
+        self.check_request(r)
+        self.waiting.append(Seat(r, self.next_id))
+        self.next_id += 1
+        return r
+
+    def check_request(self, r):
+        check_request(r, self.model.config, self.pool.n_pages)
+        if keeps_one_depth(r):
+            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager engine (--engine=eager)", "mode")
+        if len(r.stop) > self.slots.stop_ids.shape[1]:
+            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most {self.slots.stop_ids.shape[1]}",
+                            "stop")
+        if r.keep_logits and self.slots.logits is None:
+            raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
+
+    def busy(self):
+        return bool(self.waiting or self.running)
+
+    def run(self, requests):
+        """Add requests and step until all have finished. Returns them."""
+        for r in requests:
+            self.add(r)
+        while self.busy():
+            self.step()
+        return requests
+
+    @torch.inference_mode()
+    def step(self):
+        """Apply the host's decisions, run a few passes on the device, read a log. While no decision
+        can be due (nothing waits, no prompt chunk is to start), the log of these passes is read at
+        the next step, while the next passes run, so that the device never waits on the host; else
+        at once. Returns [(request, token)] sampled in the passes whose log was read."""
+        self.emitted = []
+        if self.ticket is not None and self._due():
+            self.ticket = self._read_log(self.ticket)          # know the state before deciding
+        self._drop_cancelled()
+        waves = self._schedule()                               # admit, start prompt chunks, reserve pages, preempt
+        ticket = self._run(waves) if waves else None           # the passes: graph replays on CUDA
+        if self.ticket is not None:
+            self._read_log(self.ticket)                        # the previous passes, while these run
+        self.ticket = ticket
+        if ticket is not None and (self._due() or not self.overlap):
+            self.ticket = self._read_log(ticket)
+        return self.emitted
+
+    def _due(self):
+        """Whether the host may have to decide something after the next pass: a request waits, or a
+        prompt (or replay) has chunks to start."""
+        return bool(self.waiting) or any(s.done < s.host_end for s in self.running)
+
+    # ------------------------------------------------------------------ what the host decides between passes
+
+    def _schedule(self):
+        """Start prompt (and replay) chunks and admit waiting requests by the Engine's rules, reserve
+        the pages the coming passes may write, choose the bucket. Returns the passes to run, as
+        waves: tuples of head flags, each run as one graph (a fixed wave: the head on its last pass
+        only; otherwise one pass, the head on)."""
+        self._start_chunks()
+        pending = len(self.ticket[0]) if self.ticket is not None else 0      # passes run but not read yet
+        if not self.live.any() or (pending and all(self._surely_done(s, pending) for s in self.running)):
+            return []
+        due = self._due()
+        if self.scheduler == "fixed":       # every live row starts a wave at depth 1, all of one depth
+            m = n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
+            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, self.slots.log.shape[0] // m))
+        else:
+            waves = [(True,)] * (1 if due else self.sync_every)
+        self._reserve_ahead(pending + sum(len(w) for w in waves))
+        if self.waiting:                    # a preemption left a request waiting: decide again after one wave
+            waves = waves[:1]
+        self._flush()
+        self._choose_bucket(compact=not pending, due=due)
+        return waves if self.live.any() else []
+
+    def _surely_done(self, s, pending):
+        """Whether s has surely sampled its last token within `pending` passes not read yet (a token
+        takes at least one pass, and all its depths where rows run to their last)."""
+        r = s.req
+        per_token = n_run(r, self.U) if MODES[r.mode]["decode"][0] == "never" or MODES[r.mode]["decode"][1] else 1
+        return s.ending or len(r.tokens) + pending // per_token >= r.max_tokens
+
+    def _start_chunks(self):
+        """Engine._start_groups over the slots: every running request whose rows have all finished and
+        whose next positions the host starts (a prompt or replay chunk) gets its next chunk within the
+        row budget and the free pages; then waiting requests are admitted. The device already started
+        the decode tokens (restarts); like the Engine, a chunk's budget counts those of the requests
+        before it only."""
+        self.restarted &= set(self.running)
+        rows = self.slots_active - len(self.restarted)
+        free = len(self.pool.free)
+        started, wave = bool(self.restarted), None
+        if self.scheduler == "fixed" and self.live.any():
+            wave = n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
+        joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
+        for s in list(self.running):
+            if s in self.restarted:
+                rows += 1
+                continue
+            if s.rows or s.holding or s.done >= s.host_end or not joins(s):
+                continue
+            end = chunk_end(s, self.max_rows - rows)
+            if end is not None and end - s.done > 1:
+                end = fit_chunk(s, end, free, self.U)
+            if end is None:
+                continue
+            rows += end - s.done
+            free -= (end - s.done) * n_run(s.req, self.U)
+            self._start_chunk(s, end)
+            started, wave = True, n_run(s.req, self.U)
+        while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
+            s = self.waiting[0]
+            end = chunk_end(s, self.max_rows - rows)
+            if end is None:
+                break
+            if s.req.exits and self.running and free < sum(s.req.exits) + n_run(s.req, self.U):
+                break   # a preempted request returns when its replay and one more token fit: no thrashing
+            end = fit_chunk(s, end, free, self.U)
+            if end is None:
+                break
+            self.waiting.popleft()
+            self._admit(s)
+            rows += end - s.done
+            free -= (end - s.done) * n_run(s.req, self.U)
+            self._start_chunk(s, end)
+            started, wave = True, n_run(s.req, self.U)
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
+        if not started and not self.live.any() and self.running:
+            self._evict(self.running[-1])   # nothing can start: the pages are held by requests that need more
+
+    def _admit(self, s):
+        """A request slot for s, filled with what its decode rows need on the device."""
+        r, st = s.req, self.slots
+        s.slot = self.free_slots.pop()
+        self.by_slot[s.slot] = s
+        s.seq = RaggedSeq(self.pool, self.U, len(r.prompt) + r.max_tokens)
+        s.host_end = len(r.prompt) + len(r.tokens) - (1 if s.ending else 0)
+        self.running.append(s)
+        taus, full, _, _ = position_rules(r, len(r.prompt) + r.max_tokens, len(r.prompt) + r.max_tokens + 1)
+        stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
+        i = s.slot
+        st.ntok[i], st.max_tok[i], st.dec_n_run[i], st.horizon[i] = len(r.tokens), r.max_tokens, n_run(r, self.U), -1
+        st.stop_ids[i] = torch.tensor(stop, device=st.stop_ids.device)
+        st.dec_tau[i], st.dec_full[i], st.ended[i] = taus[0], full[0], s.ending
+        st.seed[i], st.top_k[i], st.temperature[i], st.top_p[i] = seed_bits(r.seed), r.top_k, r.temperature, r.top_p
+
+    def _start_chunk(self, s, end):
+        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with the
+        pages of every depth they may run; the last position of the context samples the next token."""
+        r, start, m = s.req, s.done, n_run(s.req, self.U)
+        if not self._reserve(s, start, end - 1):
+            return
+        taus, full, forced, _ = position_rules(r, start, end)
+        ctx = r.prompt + r.tokens
+        free_rows = (~self.live).nonzero()[:, 0]
+        assert len(free_rows) >= end - start, "more rows in flight than row slots"
+        idx = free_rows[:end - start]
+        self._rows.append((idx, dict(tok=ctx[start:end], pos=list(range(start, end)), depth=0, req=s.slot, n_run=m,
+                                     forced=forced, exit=0, pend=-1, tau=taus, full=full, active=True,
+                                     sample=[p == len(ctx) - 1 for p in range(start, end)], fresh=True, hold=False)))
+        self.live[idx], self.row_req[idx] = True, s.slot
+        self.slots_active += end - start
+        s.started, s.rows = end, end - start
+        self.stats["replayed_rows"] += sum(1 for f in forced if f)
+
+    def _reserve_ahead(self, n_passes):
+        """Pages for every position a decode row may reach in the coming passes (a row starts at most
+        one position a pass), every depth it may run; the oldest requests first. When the pool runs dry
+        the newest request is preempted, as in the Engine."""
+        for s in list(self.running):
+            if s not in self.running or s.ending or s.started < s.host_end:
+                continue
+            self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
+
+    def _reserve(self, s, first, last):
+        """Pages for positions first..last at every depth s may run, in its host table and (at the next
+        flush) in its device table; the device restarts a row only where pages are reserved. When the
+        pool runs dry the newest request is preempted (s itself, perhaps: then False), as in the Engine."""
+        m = n_run(s.req, self.U)
+        while s in self.running and (last - first + 1) * m > len(self.pool.free):
+            self._evict(self.running[-1])
+        if s not in self.running or last < first:
+            return s in self.running
+        if last + 1 > s.seq.n:
+            s.seq.extend(last + 1 - s.seq.n)
+        pos = torch.arange(first, last + 1)
+        pages = torch.tensor(self.pool.alloc(len(pos) * m, s.seq), dtype=torch.long).view(len(pos), m)
+        s.seq.alloc_depth(pos, slice(0, m), pages)
+        self._pages.append((s.slot, pos, pages))
+        s.reserved = max(s.reserved, last)
+        return True
+
+    def _flush(self):
+        """The host's writes of this step, one index_put per buffer: new rows, reserved pages, horizons."""
+        st, dev = self.slots, self.slots.table.device
+        for idx, fields in self._rows:
+            idx = idx.to(dev)
+            for name, value in fields.items():
+                buf = getattr(st, name)
+                buf[idx] = torch.as_tensor(value, dtype=buf.dtype).to(dev)
+        if self._pages:
+            slot = torch.cat([torch.full((p.numel(),), i) for i, _, p in self._pages])
+            depth = torch.cat([torch.arange(p.shape[1]).repeat(p.shape[0]) for _, _, p in self._pages])
+            pos = torch.cat([q.repeat_interleave(p.shape[1]) for _, q, p in self._pages])
+            st.table[slot.to(dev), depth.to(dev), pos.to(dev)] = torch.cat([p.reshape(-1) for _, _, p in self._pages]).to(dev)
+        if self.running:
+            st.horizon[torch.tensor([s.slot for s in self.running], device=dev)] = torch.tensor(
+                [s.reserved for s in self.running], device=dev)
+        self._rows, self._pages = [], []
+
+    def _choose_bucket(self, compact=True, due=False):
+        """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are moved to
+        the front (one gather per buffer) when a smaller bucket would hold them: at once when that
+        quarters the bucket, else once no decision is due (a prompt in flight shrinks pass by pass:
+        each bucket would be one more graph to capture). While passes run unread, the host's copy of
+        the rows may list rows that have gone idle since, never one that started: the bucket still
+        holds them all, but the copy is not to be compacted."""
+        live = self.live.nonzero()[:, 0]
+        cap = self.slots.R
+        now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (1, 1)
+        if compact and len(live) and (now >= 4 * least or (now > least and not due)):
+            perm = torch.cat([live, (~self.live).nonzero()[:, 0]])
+            dev_perm = perm.to(self.slots.table.device)
+            for name in ROWS:
+                buf = getattr(self.slots, name)
+                buf.copy_(buf[dev_perm])
+            self.live, self.row_req = self.live[perm], self.row_req[perm]
+            live = self.live.nonzero()[:, 0]
+        self.R_now = bucket(int(live[-1]) + 1, cap) if len(live) else 1
+
+    # ------------------------------------------------------------------ the passes, and what they did
+
+    def _run(self, waves):
+        """The passes on the device (a graph replay per wave on CUDA, run_pass itself elsewhere), then
+        a copy of their log and of the rows' state, started without waiting. Returns the ticket that
+        _read_log takes: (buckets of the passes, the first pass's index, the copies, an event)."""
+        R, st = self.R_now, self.slots
+        sampling = any(s.req.temperature > 0 for s in self.running)
+        longest = max(s.started for s in self.running) + sum(len(w) for w in waves)
+        if self.ticket is not None:
+            longest += len(self.ticket[0])
+        n_keys = st.n_keys if self.attn == "triton" else bucket(longest, st.n_keys)   # the torch read gathers n_keys
+        launched = []
+        for wave in waves:
+            run = lambda wave=wave: [run_pass(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling,
+                                              self.phases) for head in wave]
+            if self.graphs is not None:
+                self.graphs.replay((R, n_keys, wave, sampling), run)
+            else:
+                run()
+            launched += [R] * len(wave)
+            self.stats["head_calls"] += sum(wave)
+        first, self.passes_run = self.passes_run, self.passes_run + len(launched)
+        rows = torch.stack([st.active.long(), st.hold.long(), st.req])
+        copies = [st.log, rows] + ([st.logits] if st.logits is not None else [])
+        if self.device.type != "cuda":
+            return launched, first, [c.clone() for c in copies], None
+        self.flip = 1 - self.flip                  # two sets of pinned buffers: one being read, one being filled
+        if self.flip not in self.pinned:
+            self.pinned[self.flip] = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in copies]
+        host = self.pinned[self.flip]
+        for h, c in zip(host, copies):
+            h.copy_(c, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return launched, first, host, done
+
+    def _read_log(self, ticket):
+        """A ticket's log, pass by pass: exits recorded, tokens delivered (callbacks, stop ids,
+        max_tokens), stopped rows aliased in the host tables and their unused pages returned,
+        restarts noted, finished and cancelled requests ended. Returns None (no ticket left)."""
+        launched, first, (log, rows, *logits), done = ticket
+        if done is not None:
+            done.synchronize()
+        st = self.slots
+        L = log.shape[0]
+        self.live, self.row_req, self.slots_active = (rows[0] + rows[1]) > 0, rows[2].clone(), int(rows[0].sum())
+        for i, R in enumerate(launched):
+            at = (first + i) % L
+            self.restarted = set()
+            ran = 0
+            for r, (slot, pos, depth, exit, tok, stop, go) in enumerate(zip(*log[at, :, :R].tolist())):
+                s = self.by_slot[slot] if slot < st.S else None
+                if s is None:
+                    continue
+                ran += depth > 0
+                if exit and pos >= len(s.req.exits):
+                    s.exits[pos] = exit
+                if tok >= 0:
+                    self._deliver(s, tok, logits[0][at, r].clone() if logits else None)
+                if stop:
+                    s.stops.append((pos, depth - 1))
+                    s.rows -= 1
+                if go:                                  # its positions so far are done; pos + 1 starts
+                    s.rows, s.done, s.started, s.holding = s.rows + 1, pos + 1, pos + 2, False
+                    self.restarted.add(s)
+            if ran:
+                self.stats["passes"] += 1
+                self.stats["rows"] += ran
+            for s in list(self.running):
+                self._settle(s)
+        for s in self.running:
+            self._apply_stops(s)
+        return None
+
+    def _apply_stops(self, s):
+        """The host table takes the aliases (Eq. 11) of the rows that stopped, in one call."""
+        if s.stops:
+            pos, depth = torch.tensor(s.stops).T
+            s.seq.stop(pos, depth)
+            s.stops = []
+
+    def _deliver(self, s, tok, logits):
+        r = s.req
+        if r.keep_logits:
+            r.logits.append(logits)
+        r.tokens.append(tok)
+        self.emitted.append((r, tok))
+        self.stats["head_rows"] += 1
+        if r.on_token is not None:
+            r.on_token(r, tok)
+        if len(r.tokens) >= r.max_tokens or tok in r.stop:
+            s.ending = True
+            r.finish_reason = "stop" if tok in r.stop else "length"
+        else:
+            s.holding = True
+
+    def _settle(self, s):
+        """After a pass: a request whose rows have all finished has done its positions (their exits join
+        req.exits), and ends if its last token is sampled; a cancelled one ends now (what
+        the device ran for it after this pass is dropped, as the Engine would not have run it)."""
+        r = s.req
+        if s.rows == 0:
+            s.done = s.started
+        while len(r.exits) < s.done:                             # as the Engine records them: when a chunk is done
+            r.exits.append(s.exits.pop(len(r.exits)))
+        if s.rows == 0:
+            if s.ending and s.done >= s.runnable():
+                self._apply_stops(s)
+                self._finish(s, r.finish_reason)
+                return
+        if r.cancelled:
+            self._finish(s, "cancelled")
+
+    # ------------------------------------------------------------------ endings
+
+    def _drop_cancelled(self):
+        for s in [s for s in list(self.running) + list(self.waiting) if s.req.cancelled]:
+            self._finish(s, "cancelled")
+
+    def _evict(self, s):
+        """Preempt s, or fail it when it is alone and still does not fit."""
+        if len(self.running) == 1:
+            r = s.req
+            worst = (len(r.prompt) + r.max_tokens - 1) * n_run(r, self.U)
+            self._finish(s, "error", f"the pool has {self.pool.n_pages} KV pages; this request held {self.pool.used} "
+                                     f"after {len(r.tokens)} of {r.max_tokens} tokens and needs up to {worst} "
+                                     f"(prompt of {len(r.prompt)} tokens in mode {r.mode}, every position at every depth)")
+        else:
+            self.preempt(s)
+
+    def preempt(self, s):
+        """Free every page of s and requeue it at the front; its exits so far are kept, and on its return
+        its cache is rebuilt by a recomputation that replays them (as the Engine does)."""
+        self._apply_stops(s)
+        s.seq.unreserve(s.started)
+        s.evals_before += s.seq.block_evals
+        s.seq.release()
+        self._free_slot(s)
+        s.seq, s.done, s.started, s.rows, s.holding, s.exits, s.reserved = None, 0, 0, 0, False, {}, -1
+        s.stops = []
+        s.req.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.running.remove(s)
+        self.waiting.appendleft(s)
+
+    def _finish(self, s, reason, error=None):
+        r = s.req
+        if s.seq is not None:
+            self._apply_stops(s)
+            s.seq.unreserve(min(s.started, s.seq.n))          # pages reserved ahead for positions never run
+            r.kv = dict(s.seq.stats(), block_evals=s.seq.block_evals + s.evals_before)
+            s.seq.release()
+            s.seq = None
+        self._free_slot(s)
+        r.finish_reason, r.error = reason, error
+        if s in self.running:
+            self.running.remove(s)
+        if s in self.waiting:
+            self.waiting.remove(s)
+        self.finished.append(r)
+        if r.on_token is not None:
+            r.on_token(r, None)                              # None: the request has ended
+
+    def _free_slot(self, s):
+        """Its rows go idle on the device (the padding request), its table points at the scratch page."""
+        if s.slot is None:
+            return
+        st, i = self.slots, s.slot
+        mine = st.req == i
+        st.active.logical_and_(~mine)
+        st.hold.logical_and_(~mine)
+        st.pend.masked_fill_(mine, -1)
+        st.req.masked_fill_(mine, st.S)
+        st.table[i] = st.scratch
+        st.ended[i] = True
+        gone = self.row_req == i
+        self.slots_active -= s.rows
+        self.live &= ~gone
+        self.row_req[gone] = st.S
+        self._pages = [p for p in self._pages if p[0] != i]
+        self._rows = [(idx, f) for idx, f in self._rows if f["req"] != i]
+        self.by_slot[i], s.slot = None, None
+        self.free_slots.append(i)
+
+    def fail_running(self, error):
+        """After an unexpected error inside a step: end every admitted request with `error`."""
+        for s in list(self.running):
+            self._finish(s, "error", error)
+
+    def check(self):
+        """Page invariants of the pool and of every live sequence, and the device's tables against the
+        host's (tests call it after every step): the same pages, aliases included, and no row of a
+        running request reads the scratch page. Reads the log of passes not read yet first."""
+        if self.ticket is not None:
+            with torch.inference_mode():
+                self.ticket = self._read_log(self.ticket)
+        self.pool.check()
+        held = 0
+        st = self.slots
+        for s in self.running:
+            s.seq.check()
+            held += int(s.seq.real[:s.seq.n].sum())
+            host = s.seq.table[:s.seq.n].T                             # [U, n]
+            dev = st.table[s.slot, :, :s.seq.n].cpu()
+            assert torch.equal(torch.where(host >= 0, host, st.scratch), dev), "device and host page tables differ"
+        assert held == self.pool.used, f"{self.pool.used} pages used, {held} held by running requests"
+        act = st.active.cpu()
+        for r in act.nonzero()[:, 0].tolist():
+            slot, d, p = int(st.req[r]), int(st.depth[r]), int(st.pos[r])
+            assert (st.table[slot, d, :p + 1] != st.scratch).all(), "a running row reads the scratch page"
+
+
+# ----------------------------------------------------------------------------- graphs
+
+class Graphs:
+    """One CUDA graph per kind of pass (bucket, keys read, head flags, sampling), captured on first use
+    into one shared memory pool and replayed. A capture runs the passes a few times first (compilation,
+    Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers (`buffers()`: all a
+    pass changes but the page pool) after each run: the warm-up writes into the pool only the K/V
+    that the replay writes again."""
+
+    def __init__(self, buffers):
+        self.buffers, self.graphs, self.pool = buffers, {}, None
+
+    def replay(self, key, run):
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(run)
+        self.graphs[key].replay()
+
+    def capture(self, run, warmup=2):
+        saved = [b.clone() for b in self.buffers()]
+        restore = lambda: [b.copy_(v) for b, v in zip(self.buffers(), saved)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                run()
+                restore()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        self.pool = graph.pool()
+        restore()
+        return graph
+
+
+def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="eager",
+               engine="auto"):
+    """The engine for this device. "auto": the slot engine with CUDA graphs on a GPU, where the eager
+    engine waits on the host (its LM head runs on every pass: --head does not apply); the eager Engine
+    on a CPU, where it is the faster (it gathers only the keys each row reads; docs/benchmarks.md),
+    and for what the slot engine leaves to it (the nested scheduler; the Table 17 modes: --engine=eager)."""
+    if engine not in ENGINES:
+        raise UserError(f"--engine={engine!r}; allowed: {', '.join(ENGINES)}", "engine")
+    if engine == "auto":
+        cuda = torch.device(model.lm_head.weight.device).type == "cuda"
+        engine = "slots" if cuda and scheduler in SCHEDULERS and attn != "flex" else "eager"
+        head = "eager" if engine == "slots" else head
+    if engine == "slots":
+        if head != "eager":
+            raise UserError(f"--head={head}: the slot engine runs the LM head on every pass (--engine=eager shares it)",
+                            "head")
+        return SlotEngine(model, kv_pages, max_batch, max_rows, scheduler, attn)
+    return Engine(model, kv_pages, max_batch, max_rows, scheduler, attn, head)
+
+
+if __name__ == "__main__":
+    sys.exit("slot_engine.py is an engine, a library: serve with `python server.py --ckpt out/`, benchmark on a GPU "
+             "with `python bench.py --what=gpu`")

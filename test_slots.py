@@ -1,0 +1,201 @@
+"""The slot engine (slot_engine.py) against the eager Engine, its reference, in float64: the same tokens,
+exits of every position, logits, pages and passes for every mode, with mixed τ, prefill options,
+sampling, stop ids, cancellation, chunked prompts, staggered arrivals and the fixed scheduler; under
+preemption, each request the same as with room to spare. One pass runs on the meta device (no value
+is read on the host) and compiles to one graph with no recompile; after every step the host's page
+tables equal the device's (SlotEngine.check)."""
+import random
+
+import pytest
+import torch
+
+import slot_engine
+from configurator import UserError
+from conftest import U, clone, prompt, varied_model
+from model import GPTConfig, LoopedLM
+from ragged import PagePool
+from request import Request
+from serve_depthbatch import Engine
+from slot_engine import SlotEngine, Slots, bucket, engine_for, run_pass
+
+
+def mixed_requests(rng, n, fixed_depth=None):
+    """Requests of every mode (or all fixed at one depth), thresholds, prefill options, some sampled,
+    some with stop ids."""
+    reqs = []
+    for _ in range(n):
+        mode = "fixed" if fixed_depth else rng.choice(["fixed", "ouro", "dense_ragged", "ete_ragged"])
+        r = Request(prompt(rng.randint(3, 14)), rng.randint(1, 12), mode, rng.choice([0.2, 0.35, 0.5, 0.7]),
+                    depth=fixed_depth or (rng.randint(1, U) if mode == "fixed" else 0), keep_logits=True)
+        if mode == "ete_ragged" and rng.random() < 0.5:
+            rng.choice([lambda: setattr(r, "prefill_thr", 0.8), lambda: setattr(r, "prefill_schedule", "cosine"),
+                        lambda: setattr(r, "prefix_full", 2)])()
+        if rng.random() < 0.3:
+            r.temperature, r.top_p, r.top_k, r.seed = 1.0, rng.choice([1.0, 0.8]), rng.choice([0, 5]), rng.randint(0, 2**64 - 1)
+        if rng.random() < 0.3:
+            r.stop = tuple(rng.sample(range(37), 3))
+        reqs.append(r)
+    return reqs
+
+
+def drive(engine, reqs, arrive=None, cancel_at=None):
+    """Add each request at its step (arrive), cancel some from their callback after k tokens; step to
+    the end, checking the page tables after every step."""
+    arrive = arrive or [0] * len(reqs)
+    for i, k in (cancel_at or {}).items():
+        reqs[i].on_token = lambda r, t, k=k: setattr(r, "cancelled", True) if t is not None and len(r.tokens) >= k else None
+    step = 0
+    while step <= max(arrive) or engine.busy():
+        for r, t in zip(reqs, arrive):
+            if t == step:
+                engine.add(r)
+        engine.step()
+        engine.check()
+        step += 1
+        assert step < 3000
+    assert engine.pool.used == 0
+    return reqs
+
+
+def assert_equal_runs(a, b, pages=True):
+    for x, y in zip(a, b):
+        assert (x.tokens, x.exits, x.finish_reason) == (y.tokens, y.exits, y.finish_reason), x.mode
+        if x.logits:
+            assert torch.allclose(torch.stack(x.logits), torch.stack(y.logits), atol=1e-9, rtol=0)
+        if x.finish_reason != "cancelled":
+            keys = ("physical", "logical", "dense") + (("block_evals",) if pages else ())
+            assert {k: x.kv[k] for k in keys} == {k: y.kv[k] for k in keys}
+            assert x.kv["physical"] == sum(x.exits) or x.mode in ("ouro", "dense_ragged")   # Σ e_i (full rows: U)
+
+
+@pytest.mark.parametrize("scheduler,sync_every,staggered", [("continuous", 1, True), ("continuous", 8, False),
+                                                           ("continuous", 3, False), ("fixed", 8, False)])
+def test_the_slot_engine_equals_the_engine(scheduler, sync_every, staggered):
+    """Mixed requests, each engine on its own pool with room to spare: every request the same, and
+    the same passes and rows, whether the host reads the log after every pass or every few."""
+    for _ in range(3):
+        rng = random.Random(int(torch.randint(0, 2**31, ())))
+        model = varied_model()
+        n = rng.randint(2, 8)
+        reqs = mixed_requests(rng, n, rng.randint(1, U) if scheduler == "fixed" else None)
+        arrive = sorted(rng.randint(0, 10) for _ in reqs) if staggered else None
+        cancel = {i: rng.randint(1, 4) for i in range(n) if rng.random() < 0.2}
+        batch, rows = rng.randint(1, 5), rng.choice([2, 5, 24, 64])
+        e = Engine(model, 4000, max_batch=batch, max_rows=rows, scheduler=scheduler)
+        s = SlotEngine(model, 4000, max_batch=batch, max_rows=rows, scheduler=scheduler, sync_every=sync_every,
+                       keep_logits=True)
+        a = drive(e, [clone(r) for r in reqs], arrive, cancel)
+        b = drive(s, [clone(r) for r in reqs], arrive, cancel)
+        assert_equal_runs(a, b)
+        assert (e.stats["passes"], e.stats["rows"]) == (s.stats["passes"], s.stats["rows"])
+
+
+def test_preempted_requests_replay_their_exits_exactly():
+    """A pool too small for the batch: requests are preempted (pages are reserved for every depth of a
+    position before it runs, so sooner than in the Engine) and rebuilt by replaying their exits;
+    each ends as it would with room to spare, and every page comes back."""
+    preempted = 0
+    for _ in range(4):
+        rng = random.Random(int(torch.randint(0, 2**31, ())))
+        model = varied_model()
+        reqs = mixed_requests(rng, rng.randint(3, 7))
+        for r in reqs:
+            r.max_tokens = rng.randint(8, 14)
+        batch, rows = rng.randint(2, 5), rng.choice([5, 24, 64])
+        a = drive(Engine(model, 4000, max_batch=batch, max_rows=rows), [clone(r) for r in reqs])
+        s = SlotEngine(model, 120, max_batch=batch, max_rows=rows, sync_every=rng.choice([1, 8]), keep_logits=True)
+        b = drive(s, [clone(r) for r in reqs])
+        assert_equal_runs(a, b, pages=False)     # block_evals count the replays' work too
+        preempted += s.stats["preemptions"]
+        assert sorted(s.pool.free) == list(range(120))
+    assert preempted > 0
+
+
+def test_a_fixed_wave_runs_the_head_once():
+    """The fixed scheduler runs a wave of U passes with the LM head on its last pass only (one graph
+    on CUDA), as Ouro's code calls its head once per token; the tokens are the dense lanes'."""
+    model = varied_model()
+    reqs = [Request(prompt(6), 5, "fixed", keep_logits=True) for _ in range(3)]
+    s = SlotEngine(model, 2000, max_batch=3, scheduler="fixed", keep_logits=True)
+    b = drive(s, [clone(r) for r in reqs])
+    a = drive(Engine(model, 2000, max_batch=3, scheduler="fixed"), [clone(r) for r in reqs])
+    assert_equal_runs(a, b)
+    assert s.stats["passes"] == U * 5 and s.stats["head_calls"] == 5
+
+
+def test_one_pass_reads_nothing_on_the_host():
+    """The pass with the model and every buffer on the meta device, where no value exists: an .item(),
+    a .tolist(), a boolean-mask index or a branch on data would raise."""
+    cfg = GPTConfig(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40)
+    model = LoopedLM(cfg).to("meta").eval()
+    pool = PagePool.for_model(model, 64, scratch=True)
+    st = Slots(model, pool, n_rows=8, n_reqs=3, n_keys=cfg.block_size, log_len=4, keep_logits=True)
+    with torch.inference_mode():
+        for sampling in (False, True):
+            run_pass(model, st, 8, "torch", cfg.block_size, head=True, sampling=sampling)
+        run_pass(model, st, 4, "torch", 16, head=False)
+    assert st.t.device.type == "meta" and st.table.device.type == "meta"
+
+
+def test_the_pass_compiles_to_one_graph_and_does_not_recompile():
+    """torch.compile(fullgraph=True) of run_pass (Dynamo with the eager backend): no graph break (a
+    break is a host read or a branch on data), one graph per kind of pass (bucket, keys read, head,
+    sampling), none recompiled over the passes of a real run whose data change every pass; the
+    tokens are those of the uncompiled pass."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    model = varied_model()
+    reqs = mixed_requests(rng, 5)
+    plain = drive(SlotEngine(model, 4000, max_batch=5, keep_logits=True), [clone(r) for r in reqs])
+    compiled = torch.compile(run_pass, fullgraph=True, dynamic=False, backend=backend)
+    kinds = set()
+
+    def counted(model_, st, R, attn, n_keys, n_splits, head, sampling, phases):
+        kinds.add((R, n_keys, head, sampling))
+        return compiled(model_, st, R, attn, n_keys, n_splits, head, sampling, phases)
+    s = SlotEngine(model, 4000, max_batch=5, keep_logits=True)
+    try:
+        slot_engine.run_pass = counted
+        b = drive(s, [clone(r) for r in reqs])
+    finally:
+        slot_engine.run_pass = run_pass
+        torch._dynamo.reset()
+    assert_equal_runs(plain, b)
+    assert len(graphs) == len(kinds) and s.stats["passes"] > 3 * len(kinds)
+
+
+def test_buckets_and_what_the_slot_engine_leaves_to_the_engine():
+    assert [bucket(n, 48) for n in (1, 2, 3, 5, 8, 9, 33, 48)] == [1, 2, 4, 8, 8, 16, 48, 48]
+    model = varied_model(1)
+    assert type(engine_for(model, 500)) is Engine                        # the CPU: the eager engine
+    assert type(engine_for(model, 500, engine="slots")) is SlotEngine
+    with pytest.raises(UserError, match="nested"):
+        SlotEngine(model, 500, scheduler="nested")
+    with pytest.raises(UserError, match="shares it"):
+        engine_for(model, 500, head="shared", engine="slots")
+    s = SlotEngine(model, 500)
+    for bad, field in [(dict(mode="last_kv"), "mode"), (dict(stop=tuple(range(9))), "stop"),
+                       (dict(keep_logits=True), "keep_logits")]:
+        with pytest.raises(UserError) as e:
+            s.add(Request(prompt(4), 3, **dict(dict(mode="ete_ragged"), **bad)))
+        assert e.value.field == field
+    assert not s.busy()
+
+
+def test_the_compiled_phases_give_the_same_tokens():
+    """The phases as CUDA runs them, compiled by Inductor (here its C++ backend): the same tokens and
+    exits as the plain pass, greedy and sampled (float32; a graph break or a host read would not
+    stop them, the meta test does that: this checks what the compiler makes of them)."""
+    model = varied_model().float()
+    reqs = [Request(prompt(9), 6, "ete_ragged", 0.4), Request(prompt(5), 5, "dense_ragged", 0.3),
+            Request(prompt(7), 4, "fixed", depth=3), Request(prompt(6), 5, "ouro", 0.5, temperature=1.0, top_p=0.8,
+                                                            seed=int(torch.randint(0, 2**62, ())))]
+    a = SlotEngine(model, 500).run([clone(r) for r in reqs])
+    b = SlotEngine(model, 500, fuse=True).run([clone(r) for r in reqs])
+    assert [(r.tokens, r.exits) for r in a] == [(r.tokens, r.exits) for r in b]
