@@ -62,7 +62,7 @@ def ouro_shape_model(shape, device, seed, prompts):
             depth = threshold_exit(gates + mid, THR).float().mean()
             lo, hi = (lo, mid) if depth < TARGET_DEPTH else (mid, hi)
         model.early_exit_gate.bias.fill_(lo)
-    return model
+    return model.requires_grad_(False)
 
 
 def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
@@ -226,7 +226,7 @@ def bench_gpu(c):
                              graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5),
                              pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"],
                              head_calls=st["head_calls"], avg_decode_depth=round(st["depth"], 3),
-                             ceiling_tok_s=round(ceiling, 1), ceiling_fraction=round(tok_s / ceiling, 4),
+                             ceiling_tok_s=round(ceiling, 1), ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
                              x_fixed_graphed=round(ref_fixed[0] / seconds, 4),
                              x_ouro_way_graphed=round(ref_ouro[0] / seconds, 4),
                              x_ouro_way_eager=round(ouro_eager[0] / seconds, 4),

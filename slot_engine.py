@@ -391,11 +391,12 @@ class SlotEngine:
         if not self.live.any() or (pending and all(self._surely_done(s, pending) for s in self.running)):
             return []
         due = self._due()
+        most = max(self._passes_left(s, pending) for s in self.running)     # no request needs more
         if self.scheduler == "fixed":       # every live row starts a wave at depth 1, all of one depth
             m = n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
-            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, self.slots.log.shape[0] // m))
+            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log.shape[0], most) // m))
         else:
-            waves = [(True,)] * (1 if due else self.sync_every)
+            waves = [(True,)] * (1 if due else max(1, min(self.sync_every, most)))
         self._reserve_ahead(pending + sum(len(w) for w in waves))
         if self.waiting:                    # a preemption left a request waiting: decide again after one wave
             waves = waves[:1]
@@ -406,9 +407,21 @@ class SlotEngine:
     def _surely_done(self, s, pending):
         """Whether s has surely sampled its last token within `pending` passes not read yet (a token
         takes at least one pass, and all its depths where rows run to their last)."""
-        r = s.req
-        per_token = n_run(r, self.U) if MODES[r.mode]["decode"][0] == "never" or MODES[r.mode]["decode"][1] else 1
-        return s.ending or len(r.tokens) + pending // per_token >= r.max_tokens
+        return s.ending or len(s.req.tokens) + pending // self._per_token(s.req)[0] >= s.req.max_tokens
+
+    def _passes_left(self, s, pending):
+        """The most passes s may still run after `pending` passes not read yet: its tokens to come, each
+        at most all its depths (exactly that in a fixed wave), less the passes already run (each moves
+        its row one depth on); a prompt or replay still to run: one pass at a time (a decision is due)."""
+        if s.done < s.host_end:
+            return 1
+        return max((s.req.max_tokens - len(s.req.tokens)) * self._per_token(s.req)[1] - pending, 0)
+
+    def _per_token(self, r):
+        """The fewest and the most passes a decode token of r takes: all its depths where its rows run
+        to the last (fixed, Ouro mode), else 1 to all."""
+        m = n_run(r, self.U)
+        return (m, m) if MODES[r.mode]["decode"][0] == "never" or MODES[r.mode]["decode"][1] else (1, m)
 
     def _start_chunks(self):
         """Engine._start_groups over the slots: every running request whose rows have all finished and

@@ -196,3 +196,37 @@ def test_the_fixed_batch_runs_on_a_checkpoint_too_short_for_the_queue(tmp_path, 
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {(r["workload"], r["batch"]) for r in out["runs"]} == {("batch", 2)}
     assert all(r["tokens_agree_with_ouro_way"] == 1.0 for r in out["runs"] if r["mode"] == "fixed")
+
+
+def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys):
+    """`bench.py --what=gpu` at the tiny shape on a CPU, where the graphed configurations run their
+    graph-ready code without graphs: every configuration and field of the GPU run's JSON (also
+    written to --out), the graph-ready Ouro way gives fixed@U's greedy tokens in as many passes and
+    one head call a token, the ratios and the ceiling add up; the gate is set to its target depth."""
+    import bench_gpu
+    from model import threshold_exit
+    out_file = tmp_path / "gpu.json"
+    bench.main(["--what=gpu", "--gpu_shape=tiny", "--batches=1,2", f"--out={out_file}"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads(out_file.read_text()) == out
+    runs = {(r["batch"], r["mode"], r["graph_ready"]): r for r in out["runs"]}
+    assert set(runs) == {(b, m, g) for b in (1, 2) for m in ("ouro_way", "fixed", "dense_ragged", "ete_ragged")
+                         for g in (True, False)}
+    U, N = 4, bench_gpu.N_NEW
+    t_w, t_h = out["block_bytes"] / out["bandwidth"], out["head_bytes"] / out["bandwidth"]
+    for (b, mode, ready), r in runs.items():
+        assert r["graphs"] is False and r["tok_s"] > 0
+        for key in ("ceiling_fraction", "x_fixed_graphed", "x_ouro_way_graphed", "x_ouro_way_eager", "pass_ms"):
+            assert r[key] > 0, key
+        ceiling = b / (U * t_w + t_h) if mode in ("fixed", "ouro_way") else b / (r["avg_decode_depth"] * (t_w + t_h))
+        assert abs(r["ceiling_tok_s"] - ceiling) <= 0.05 + 1e-3 * ceiling
+        assert abs(r["tok_s"] / ceiling / r["ceiling_fraction"] - 1) < 1e-2
+    for b in (1, 2):
+        fixed, lanes = runs[b, "fixed", True], runs[b, "ouro_way", True]
+        assert fixed["x_fixed_graphed"] == lanes["x_ouro_way_graphed"] == 1
+        assert fixed["passes"] == lanes["passes"] == U * N and fixed["head_calls"] == N
+    assert [c["agree"] for c in out["checks"]] == [1.0, 1.0]
+    prompts = torch.randint(0, 512, (4, bench_gpu.N_PROMPT)).tolist()
+    model = bench_gpu.ouro_shape_model("tiny", "cpu", int(torch.randint(0, 1000, ())), prompts)
+    gates = model(torch.tensor(prompts))["gate_logits"]
+    assert abs(float(threshold_exit(gates, bench_gpu.THR).float().mean()) - bench_gpu.TARGET_DEPTH) < 0.1
