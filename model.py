@@ -165,9 +165,11 @@ class Layer(nn.Module):
         return self.after_attention(h, attention(q, k, v) if kv is None else kv(q, k, v))
 
     def before_attention(self, h, cos, sin):
+        """The input norm, the projections and RoPE: (q, k, v)."""
         return self.self_attn.qkv(self.input_layernorm(h), cos, sin)
 
     def after_attention(self, h, y):
+        """The output projection, the sandwich norms, the residuals and the SwiGLU MLP."""
         h = h + self.input_layernorm_2(self.self_attn.out(y))
         return h + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(h)))
 

@@ -189,6 +189,22 @@ def fit_chunk(s, end, free, U):
     return None if end <= s.done or keeps_one_depth(s.req) else end
 
 
+def check_pool(model, kv_pages):
+    """A pool of kv_pages must fit the device's memory (UserError naming --kv_pages)."""
+    need, have = kv_pages * page_bytes(model), memory_bytes(model.lm_head.weight.device)
+    if need > have:
+        raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
+                        f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
+
+
+def dry_pool(r, pool, U):
+    """The error of a request that runs the pool dry alone: how many pages it held and could need."""
+    worst = (len(r.prompt) + r.max_tokens - 1) * n_run(r, U)
+    return (f"the pool has {pool.n_pages} KV pages; this request held {pool.used} after {len(r.tokens)} of "
+            f"{r.max_tokens} tokens and needs up to {worst} (prompt of {len(r.prompt)} tokens in mode {r.mode}, "
+            "every position at every depth)")
+
+
 def weight_bytes(model):
     """The weights a pass of the block reads (all L layers) and those an LM-head call reads: the two
     prices of the weight-read cost model (decode is weight-bound at small batch)."""
@@ -218,10 +234,7 @@ class Engine:
             attn = resolve_impl(attn, self.device)       # "auto": the fastest paged attention on this device
         except ValueError as e:
             raise UserError(str(e), "attn")
-        need, have = kv_pages * page_bytes(model), memory_bytes(self.device)
-        if need > have:
-            raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
-                            f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
+        check_pool(model, kv_pages)
         self.pool = PagePool.for_model(model, kv_pages)
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.waiting, self.running, self.finished = deque(), [], []     # Live, Live, Request
@@ -504,11 +517,7 @@ class Engine:
     def _evict(self, s):
         """Preempt s, or fail it when it is alone and still does not fit."""
         if len(self.running) == 1:
-            r = s.req
-            worst = (len(r.prompt) + r.max_tokens - 1) * n_run(r, self.U)
-            self._finish(s, "error", f"the pool has {self.pool.n_pages} KV pages; this request held {self.pool.used} "
-                                     f"after {len(r.tokens)} of {r.max_tokens} tokens and needs up to {worst} "
-                                     f"(prompt of {len(r.prompt)} tokens in mode {r.mode}, every position at every depth)")
+            self._finish(s, "error", dry_pool(s.req, self.pool, self.U))
         else:
             self.preempt(s)
 

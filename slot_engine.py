@@ -37,10 +37,10 @@ import torch
 from configurator import UserError
 from kernels import paged_attention_table, resolve_impl, splits_for
 from model import FULL, Layer, at_least_fp32, exit_now
-from ragged import PagePool, RaggedSeq, memory_bytes, page_bytes
+from ragged import PagePool, RaggedSeq
 from request import sample_tokens, seed_bits
-from serve_depthbatch import (MODES, Engine, as_fixed, check_request, chunk_end, fit_chunk, keeps_one_depth, n_run,
-                              position_rules)
+from serve_depthbatch import (MODES, Engine, as_fixed, check_pool, check_request, chunk_end, dry_pool, fit_chunk,
+                              keeps_one_depth, n_run, position_rules)
 
 SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
 ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
@@ -293,10 +293,7 @@ class SlotEngine:
             raise UserError(str(e), "attn")
         if attn == "flex":
             raise UserError("--attn=flex builds its mask on the host; the slot engine reads torch or triton", "attn")
-        need, have = kv_pages * page_bytes(model), memory_bytes(self.device)
-        if need > have:
-            raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
-                            f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
+        check_pool(model, kv_pages)
         self.pool = PagePool.for_model(model, kv_pages, scratch=True)
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.sync_every, self.head = sync_every, "eager"
@@ -694,11 +691,7 @@ class SlotEngine:
     def _evict(self, s):
         """Preempt s, or fail it when it is alone and still does not fit."""
         if len(self.running) == 1:
-            r = s.req
-            worst = (len(r.prompt) + r.max_tokens - 1) * n_run(r, self.U)
-            self._finish(s, "error", f"the pool has {self.pool.n_pages} KV pages; this request held {self.pool.used} "
-                                     f"after {len(r.tokens)} of {r.max_tokens} tokens and needs up to {worst} "
-                                     f"(prompt of {len(r.prompt)} tokens in mode {r.mode}, every position at every depth)")
+            self._finish(s, "error", dry_pool(s.req, self.pool, self.U))
         else:
             self.preempt(s)
 
