@@ -58,6 +58,25 @@ def save_checkpoint(obj, path):
 
 # ----------------------------------------------------------------------------- our checkpoints
 
+def check_weights_finite(state, where):
+    """Weights holding NaN or infinity (a run that diverged, a corrupt file) are refused at load:
+    decoding with them gives garbage without an error."""
+    bad = [k for k, v in state.items() if torch.is_floating_point(v) and not torch.isfinite(v).all()]
+    if bad:
+        raise UserError(f"{where}: {len(bad)} weight tensor(s) hold NaN or infinity (e.g. {bad[0]}): the file is "
+                        "corrupt or the run diverged; load an earlier checkpoint")
+
+
+def check_one_model(folder, flag):
+    """A folder holds one model: a training run's ckpt.pt, or an Ouro folder (config.json + safetensors),
+    never both (one would silently shadow the other in every --ckpt)."""
+    if is_ouro_folder(folder) and os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        raise UserError(f"{flag}={folder}: holds both a training run (ckpt.pt) and an Ouro folder (config.json); "
+                        f"give the file {os.path.join(folder, 'ckpt.pt')!r} for the run, or move the Ouro files "
+                        "to a folder of their own")
+
+
+
 def resolve_ckpt_path(path, flag="--ckpt"):
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")
@@ -71,6 +90,7 @@ def load_checkpoint(path, device="cpu", dtype=None, flag="--ckpt"):
     """The one loader used by train, sample and serve: our ckpt.pt (file or directory) or an Ouro
     Hugging Face folder (config.json + safetensors), detected automatically. `flag` names the
     option in error messages. Returns (model, checkpoint dict)."""
+    check_one_model(path, flag)
     if is_ouro_folder(path):
         return load_ouro(path, device, dtype)
     path = resolve_ckpt_path(path, flag)
@@ -85,16 +105,22 @@ def load_checkpoint(path, device="cpu", dtype=None, flag="--ckpt"):
     known = {f.name for f in fields(GPTConfig)}
     try:
         cfg = GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in known})
-        model = LoopedLM(cfg)
-    except (TypeError, ValueError, ZeroDivisionError) as e:
+        with torch.device("meta"):                 # shapes only: the weights are the file's (no allocation)
+            model = LoopedLM(cfg)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise UserError(f"{flag}={path}: its model_args do not describe a model ({type(e).__name__})")
+    except UserError as e:                         # GPTConfig.check names train.py's flags; here they are fields
+        raise UserError(f"{flag}={path}: its model_args do not describe a model: {str(e).replace('--', '')}")
     state = ckpt["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise UserError(f"{flag}={path}: its 'model' is not a dict of weight tensors")
     want = model.state_dict()
     bad = sorted(set(want) ^ set(state)) or sorted(k for k in want if tuple(want[k].shape) != tuple(state[k].shape))
     if bad:
         raise UserError(f"{flag}={path}: its weights do not match its model_args ({len(bad)} mismatched, "
                         f"e.g. {bad[0]})")
-    model.load_state_dict(state)
+    check_weights_finite(state, f"{flag}={path}")
+    model.load_state_dict(state, assign=True)
     model.to(device)
     if dtype is not None:
         model.to(dtype)
@@ -215,6 +241,7 @@ def load_ouro(folder, device="cpu", dtype=None):
         if tuple(tensors[k].shape) != tuple(shape):
             raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
     state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
+    check_weights_finite(state, folder)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if dtype is not None:
@@ -243,6 +270,9 @@ def export_ouro(model, folder, meta=None, dtype=torch.bfloat16, force=False):
                         "Only models trained with --loop_norm can be exported")
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"--out={folder}: exists and is not a folder")
+    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        raise UserError(f"--out={folder}: holds a training run (ckpt.pt); an Ouro folder beside it would shadow it "
+                        "in every --ckpt. Write the export to a folder of its own")
     ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json"]
     present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
     if present and not force:

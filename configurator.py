@@ -92,9 +92,10 @@ def _unknown(key, config):
     return UserError(f"unknown option --{key}; allowed: " + ", ".join(f"--{k}" for k in sorted(config)))
 
 
-def parse(argv, defaults, rules=None, source=None):
+def parse(argv, defaults, rules=None, source=None, given=None):
     """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the
-    script's file, for --help. Returns a new dict."""
+    script's file, for --help; given: a set that receives the keys set on the command line or in a
+    config file (set to their default or not). Returns a new dict."""
     config = dict(defaults)
     args = list(argv)
     i = 0
@@ -107,7 +108,7 @@ def parse(argv, defaults, rules=None, source=None):
         if not arg.startswith("--"):
             if not arg.endswith(".py"):
                 raise UserError(f"unexpected argument {arg!r}: use --key=value, or a config/*.py file")
-            _apply_file(arg, config, defaults)
+            _apply_file(arg, config, defaults, given)
             continue
         key, eq, raw = arg[2:].partition("=")
         if key not in config:
@@ -123,6 +124,8 @@ def parse(argv, defaults, rules=None, source=None):
             else:
                 raw, i = nxt, i + 1
         config[key] = _convert(key, raw, defaults[key])
+        if given is not None:
+            given.add(key)
     for key, rule in (rules or {}).items():
         check(key, config[key], rule)
     return config
@@ -198,7 +201,7 @@ def _is_number(s):
     return _number(s) is not None
 
 
-def _apply_file(path, config, defaults):
+def _apply_file(path, config, defaults, given=None):
     try:
         with open(path) as f:
             source = f.read()
@@ -218,6 +221,8 @@ def _apply_file(path, config, defaults):
         if key not in config:
             raise _unknown(key, config)
         config[key] = _convert(key, value, defaults[key])
+        if given is not None:
+            given.add(key)
 
 
 # ----------------------------------------------------------------------------- --help

@@ -142,17 +142,32 @@ def load_task(path):
 
 
 def check_item(item, where):
+    """One task item, field by field, before any model runs: UserError naming the line and the field."""
     kind = item.get("type") if isinstance(item, dict) else None
+    text = lambda v: isinstance(v, str)
+    ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                              for t in v)
     if kind == "mc":
         texts = "context" in item and "choices" in item
-        ids = "context_ids" in item and "choices_ids" in item
+        by_ids = "context_ids" in item and "choices_ids" in item
         n = len(item.get("choices") or item.get("choices_ids") or [])
-        if not (texts or ids) or not isinstance(item.get("answer"), int) or not 0 <= item["answer"] < n:
+        answer = item.get("answer")
+        if not (texts or by_ids) or not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < n:
             raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
-                            "answer index into the choices")
+                            f"answer index into the choices (an integer in 0..{n - 1}), not {answer!r}")
+        ok = (text(item["context"]) and isinstance(item["choices"], list) and all(text(c) and c for c in item["choices"])
+              if texts else ids(item["context_ids"]) and isinstance(item["choices_ids"], list)
+              and all(ids(c) for c in item["choices_ids"]))
+        if not ok:
+            raise UserError(f"--task {where}: an mc item's context is a string and its choices non-empty strings (or "
+                            "context_ids / choices_ids: non-empty lists of token ids)")
     elif kind == "gen":
         if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
             raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
+        if not (text(item["prompt"]) if "prompt" in item else ids(item["prompt_ids"])) or not (
+                text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
+            raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or prompt_ids / answer_ids: "
+                            "non-empty lists of token ids)")
         if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
             raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
     else:

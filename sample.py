@@ -96,12 +96,14 @@ def prompt_ids(c, meta, encode):
     if text.startswith("FILE:"):
         path = text[5:]
         if not os.path.isfile(path):
-            raise UserError(f"--prompt=FILE:{path}: no such file")
+            raise UserError(f"--prompt=FILE:{path}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except UnicodeDecodeError:
             raise UserError(f"--prompt=FILE:{path}: not UTF-8 text")
+        except OSError as e:
+            raise UserError(f"--prompt=FILE:{path}: cannot read it ({e.strerror or e})")
     if text == "":
         if meta.get("tokenizer") == "gpt2":
             return [50256]

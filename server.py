@@ -14,10 +14,12 @@ a request it cannot run fails alone, an unexpected error inside a step fails the
 step and frees their pages, a client that goes away has its requests cancelled, and if the engine
 thread ever stops, /health answers 503 and so does every new request.
 """
+import errno
 import http.server
 import json
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -39,7 +41,9 @@ from tokenizer import IM_END, chat_ids, has_chat
 MAX_BODY = 16 << 20                       # bytes of one request body
 ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "prefill_thr",
                  "prefill_schedule", "prefix_full"}          # body fields that are Request fields
-ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages"}
+ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages",
+            "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")   # chat roles of the ChatML template
 UNSUPPORTED = {"logprobs": (None, 0, False), "echo": (None, False), "best_of": (None, 1), "suffix": (None,),
                "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
 assert ENGINE_FIELDS <= {f.name for f in fields(Request)}
@@ -117,10 +121,15 @@ def prompt_of(server, body, chat):
         if not server.chat:
             raise BadRequest("this model has no chat template (Ouro's ChatML tokens); use /v1/completions", "messages")
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} strings", "messages")
-        return chat_ids([(m["role"], m["content"]) for m in msgs], server.encode), (IM_END,)
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+        turns = []
+        for m in msgs:
+            if m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
+                raise BadRequest(f"'messages': a message has role {m.get('role')!r} and fields {sorted(m)}; roles are "
+                                 f"{', '.join(ROLES)}, fields role, content (and name)", "messages")
+            turns.append((m["role"], message_text(m.get("content"))))
+        return chat_ids(turns, server.encode), (IM_END,)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                      # a batch of one
@@ -136,6 +145,18 @@ def prompt_of(server, body, chat):
     else:
         raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
     return ids, (() if server.eos is None else (server.eos,))
+
+
+def message_text(content):
+    """A chat message's content: a string, or OpenAI's list of content parts of type text (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) <= {"type", "text"}
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest("'messages': a content must be a string or a list of {type: text, text} parts (this model "
+                     "reads text only)", "messages")
 
 
 def parse_request(server, body, chat):
@@ -164,13 +185,26 @@ def parse_request(server, body, chat):
         seed = int(torch.randint(0, 2**31 - 1, ()))
     elif not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX - (n - 1)):
         raise BadRequest(f"'seed' must be an integer in [0, 2**64 - n], not {seed!r}", "seed")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": true", "stream_options")
     f = {"temperature": 1.0, **{k: body[k] for k in ENGINE_FIELDS if body.get(k) is not None}}
+    if body.get("max_completion_tokens") is not None:           # the chat API's newer name for max_tokens
+        if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
+            raise BadRequest("'max_tokens' and 'max_completion_tokens' differ; give one", "max_completion_tokens")
+        f["max_tokens"] = body["max_completion_tokens"]
+    mode = f.get("mode", Request.mode)
+    if "depth" in f and mode != "fixed":
+        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths (give 'thr')", "depth")
+    if "thr" in f and mode == "fixed":
+        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs 'depth' loops", "thr")
     reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
     try:
         server.engine.check_request(reqs[0])
     except UserError as e:
         raise BadRequest(str(e), e.field)
-    return reqs, stream, stop
+    return reqs, stream, stop, bool((options or {}).get("include_usage"))
 
 
 def exit_summary(r, U):
@@ -207,12 +241,17 @@ class Choices:
             self.texts[i] = text
 
     def unsent(self, i):
-        """Text of choice i not streamed yet (held back while it ends in half a character)."""
-        new = self.texts[i][self.sent[i]:]
-        if new and (self.finish[i] is not None or not new.endswith("\ufffd")):
-            self.sent[i] += len(new)
-            return new
-        return ""
+        """Text of choice i not streamed yet. While the choice runs, a tail that may be the start of a
+        stop string is held back (the next tokens say whether it is: a stream never shows what the
+        stop removes), and so is a tail that ends in half a character."""
+        text, end = self.texts[i], len(self.texts[i])
+        if self.finish[i] is None:
+            end -= max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+            if text[:end].endswith("\ufffd"):
+                end = self.sent[i]
+        new = text[self.sent[i]:max(end, self.sent[i])]
+        self.sent[i] += len(new)
+        return new
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -220,7 +259,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
     talks to (make_handler sets it; `server` is the socket server's own)."""
     app = None
     protocol_version = "HTTP/1.1"
-    timeout = 60                          # seconds a socket read or write may wait: a stalled client is let go
+    timeout = 15                          # seconds a request may stall while it arrives: a half-sent one is let go
+    write_timeout = 60                    # seconds a response may wait on a slow reader
 
     def handle(self):
         try:
@@ -239,6 +279,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def send_error(self, code, message=None, explain=None):
+        """The standard library's own errors (an unknown method: 501, a malformed request line: 400),
+        as the API's JSON errors, not its HTML page."""
+        self.close_connection = True
+        try:
+            self.send_error_json(BadRequest(message or http.HTTPStatus(code).phrase, status=code))
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass
 
     def send_error_json(self, e):
         self.send_json({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
@@ -273,6 +322,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return json.loads(self.rfile.read(int(raw)) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"malformed JSON: {e}")
+        except RecursionError:
+            raise BadRequest("malformed JSON: nested too deeply")
+        except ValueError as e:                                  # an integer of thousands of digits
+            raise BadRequest(f"malformed JSON: {e}")
 
     def do_POST(self):
         chat = self.path == "/v1/chat/completions"
@@ -281,7 +334,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 raise BadRequest(f"no route POST {self.path}", status=404)
             if self.app.dead:
                 raise BadRequest(f"the engine has stopped ({self.app.dead}); restart the server", status=503)
-            reqs, stream, stop = parse_request(self.app, self.read_body(), chat)
+            body = self.read_body()
+            self.connection.settimeout(self.write_timeout)
+            reqs, stream, stop, usage = parse_request(self.app, body, chat)
             events = queue.Queue()
             for r in reqs:
                 r.on_token = lambda r, tok: events.put((r.tag, tok))
@@ -290,16 +345,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_error_json(e)
             return
         try:
-            self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat)
+            self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat, usage)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):   # the client went away: free its pages
             for r in reqs:
                 r.cancelled = True
             with self.app.cv:
                 self.app.cv.notify()
 
-    def respond(self, reqs, events, stream, choices, chat):
+    def respond(self, reqs, events, stream, choices, chat, usage=False):
         """Relay the tokens of the request's choices as the engine samples them: one JSON body at
-        the end, or server-sent events as they come (ending with data: [DONE])."""
+        the end, or server-sent events as they come (ending with data: [DONE]; with usage, a last
+        chunk before it carries the token counts, as OpenAI's stream_options.include_usage)."""
         U = self.app.engine.U
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].seed:x}{int(time.time() * 1e6) % 10**8:x}",
@@ -323,7 +379,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if choices.finish[i] is not None:
                     self.event(head, i, "", chat, choices.finish[i], {"error": r.error} if r.error else
                                {"exit_stats": exit_summary(r, U)})
+        n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
+        counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
         if stream:
+            if usage:
+                self.wfile.write(f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
             return
@@ -335,10 +395,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
             out.append(c)
         de = [e for r in reqs for e in r.decode_exits]
-        n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
-        self.send_json({**head, "choices": out,
-                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_new,
-                                  "total_tokens": n_prompt + n_new},
+        self.send_json({**head, "choices": out, "usage": counts,
                         "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None, **exit_stats(de, U)}})
 
     def start_stream(self, head, n, chat):
@@ -363,6 +420,38 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 
+class HTTPServer(http.server.ThreadingHTTPServer):
+    """The standard library's threaded server, with a listen backlog for bursts of clients and a cap
+    on the connections served at once: one past it is answered 503 at once and closed."""
+    request_queue_size = 128
+    daemon_threads = True
+    max_connections = 256
+    busy_body = json.dumps({"error": {"message": "too many connections; retry", "type": "server_error", "param": None,
+                                      "code": None}}).encode()
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(busy_body), busy_body))
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.sendall(self.busy)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def make_handler(server):
     return type("BoundHandler", (Handler,), {"app": server})
 
@@ -372,11 +461,14 @@ def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="l
     (http server, Server)."""
     server = Server(engine, encode, decode, name, chat, eos)
     try:
-        httpd = http.server.ThreadingHTTPServer((host, port), make_handler(server))
+        httpd = HTTPServer((host, port), make_handler(server))
+    except socket.gaierror as e:
+        raise UserError(f"--host={host}: not an address or a host name this machine knows ({e.strerror or e})", "host")
     except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise UserError(f"--host={host}: not an address of this machine ({e.strerror})", "host")
         raise UserError(f"--port={port}: cannot listen on {host}:{port} ({e.strerror or e}); "
                         "choose another --port (0: any free port)", "port")
-    httpd.daemon_threads = True
     server.thread.start()
     return httpd, server
 

@@ -116,8 +116,14 @@ CASES = [
     (train, ["--out_dir=/sys/looped-lm-out"], "out_dir"), (export_ouro, ["--ckpt=ouro_ckpt", "--out=/sys/x"], "out"),
     (eval_py, ["--builtin=synthetic", "--out=/sys/x"], "out"), (reproduce, ["--quick", "--out=/sys/x"], "out"),
     (prepare_data, ["--data_dir=/sys/x"], "data_dir"), (reproduce, ["--quick", "--out=notes.txt"], "out"),
-    # a resumed run keeps its shape
+    # a resumed run keeps its shape, even when the flag gives the default (TINY's runs have batch_size 4)
     (train, ["--init_from=resume", "--n_embd=64"], "n_embd"), (train, ["--init_from=resume", "--batch_size=8"], "batch_size"),
+    (train, ["--init_from=resume", "--batch_size=16"], "batch_size"), (train, ["--init_from=resume", "--n_embd=128"], "n_embd"),
+    (train, ["--branch_from=out", "--out_dir=branch", "--n_layer=2"], "n_layer"),
+    # one model per folder; names that say what is wrong
+    (export_ouro, ["--ckpt=ouro_ckpt", "--out=out"], "out"), (train, ["--out_dir=exported"], "out_dir"),
+    (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--engine=gpu"], "engine"),
+    (server, ["--ckpt=out", "--host=no-such-host.invalid", "--port=0"], "host"),
     # eval.py, bench_kernels.py
     (eval_py, ["--ckpt=nowhere", "--builtin=synthetic"], "ckpt"), (eval_py, ["--builtin=synthetic", "--modes=warp@0.5"], "modes"),
     (eval_py, ["--builtin=synthetic", "--modes=fixed@9"], "modes"), (eval_py, ["--builtin=synthetic", "--k=4"], "k"),

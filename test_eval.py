@@ -135,7 +135,13 @@ def test_bad_task_files_are_one_line_errors(tmp_path, ckpt, capsys):
     folder = ckpt[0]
     bad = tmp_path / "bad.jsonl"
     for content, key in [('{"type": "mc", "context": "a", "choices": ["b"], "answer": 3}\n', "task"),
-                         ("not json\n", "task"), ('{"type": "essay"}\n', "task")]:
+                         ("not json\n", "task"), ('{"type": "essay"}\n', "task"),
+                         ('{"type": "mc", "context": "a", "choices": ["b", "c"], "answer": true}\n', "task"),
+                         ('{"type": "mc", "context": "a", "choices": ["b", ""], "answer": 0}\n', "task"),
+                         ('{"type": "mc", "context": 5, "choices": ["b", "c"], "answer": 0}\n', "task"),
+                         ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [-3]], "answer": 0}\n', "task"),
+                         ('{"type": "gen", "prompt": "a", "answer": 7}\n', "task"),
+                         ('{"type": "gen", "prompt_ids": [], "answer": "b"}\n', "task")]:
         bad.write_text(content)
         with pytest.raises(SystemExit) as e:
             configurator.run_cli(ev.main, [f"--ckpt={folder}", f"--task={bad}", f"--out={tmp_path / 'x'}"])

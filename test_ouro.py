@@ -183,6 +183,44 @@ def test_export_writes_auto_map_and_refuses_to_overwrite(tmp_path):
         export_ouro(model, str(tmp_path / "file"))
 
 
+def test_no_folder_holds_two_models(tmp_path):
+    """An export into a training run's folder, a run into an Ouro folder, and loading a folder that
+    holds both (left by an earlier version) are refused with one line naming the folder: either model
+    would silently shadow the other in every --ckpt."""
+    import train
+    model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=40,
+                               loop_norm=True)).eval()
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": model.state_dict(), "model_args": vars(model.config)}, run / "ckpt.pt")
+    with pytest.raises(UserError, match="holds a training run"):
+        export_ouro(model, str(run))
+    assert sorted(os.listdir(run)) == ["ckpt.pt"]
+    assert load_checkpoint(str(run))[0].config.n_layer == 2
+    write_folder(str(run), CFG, ouro_tensors(CFG, 1))              # both in one folder
+    with pytest.raises(UserError, match="holds both"):
+        load_checkpoint(str(run))
+    assert load_checkpoint(str(run / "ckpt.pt"))[0].config.n_layer == 2      # the file itself is unambiguous
+    exp = export_ouro(model, str(tmp_path / "exp"))
+    with pytest.raises(UserError, match="holds an Ouro folder"):
+        train.main(["--n_layer=1", f"--out_dir={exp}", "--max_iters=1"])
+    assert "ckpt.pt" not in os.listdir(exp)
+
+
+def test_weights_with_nan_or_infinity_are_refused_at_load(tmp_path):
+    model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=40))
+    state = model.state_dict()
+    key = list(state)[int(torch.randint(0, len(state), ()))]
+    state[key].view(-1)[int(torch.randint(0, state[key].numel(), ()))] = float(["nan", "inf", "-inf"][int(torch.randint(0, 3, ()))])
+    torch.save({"model": state, "model_args": vars(model.config)}, tmp_path / "ckpt.pt")
+    with pytest.raises(UserError, match=f"NaN or infinity.*{key}"):
+        load_checkpoint(str(tmp_path))
+    t = ouro_tensors(CFG, seed=2)
+    t["model.norm.weight"][3] = float("nan")
+    with pytest.raises(UserError, match="NaN or infinity"):
+        load_checkpoint(write_folder(str(tmp_path / "ouro"), CFG, t))
+
+
 def _umask():
     mask = os.umask(0)
     os.umask(mask)

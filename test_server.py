@@ -16,7 +16,7 @@ from conftest import CFG, alone, make_tokenizer, ouro_tensors, write_folder
 from prepare_data import SYNTH_CHARS
 from request import Request
 from serve_depthbatch import Engine
-from server import serve
+from server import Choices, serve
 from tokenizer import char_meta, load_tokenizer
 
 
@@ -186,6 +186,19 @@ def test_http_chat_completions_on_an_ouro_folder(tmp_path):
         parts = list(client.chat.completions.create(model="ouro", messages=[{"role": "user", "content": "the cat"}],
                                                     max_tokens=6, temperature=0, stream=True))
         assert "".join(p.choices[0].delta.content or "" for p in parts) == r.choices[0].message.content
+        # OpenAI's newer shapes: content as a list of text parts, max_completion_tokens; usage in a stream
+        same = client.chat.completions.create(model="ouro", max_completion_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "the "}, {"type": "text", "text": "cat"}]}])
+        assert same.choices[0].message.content == r.choices[0].message.content
+        parts = list(client.chat.completions.create(model="ouro", messages=[{"role": "user", "content": "the cat"}],
+                                                    max_tokens=6, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}))
+        assert parts[-1].choices == [] and parts[-1].usage.total_tokens == r.usage.total_tokens
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions"
+        for bad in [{"role": "robot", "content": "hi"}, {"role": "user", "content": [{"type": "image_url"}]},
+                    {"role": "user", "content": "hi", "extra": 1}, {"role": "user"}]:
+            status, text = post(url, {"messages": [bad], "max_tokens": 2})
+            assert status == 400 and json.loads(text)["error"]["param"] == "messages", (bad, text)
     finally:
         httpd.shutdown()
         server.stop()
@@ -353,8 +366,115 @@ def test_out_of_range_and_unknown_fields_are_400_naming_the_field(own_server, bo
     assert status == 400 and json.loads(text)["error"]["param"] == param, text
 
 
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "mode": "ete_ragged", "depth": 2}, "depth"),
+                                        ({"prompt": "a", "depth": 2}, "depth"),
+                                        ({"prompt": "a", "mode": "fixed", "thr": 0.3}, "thr"),
+                                        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+                                        ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options"),
+                                        ({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4},
+                                         "max_completion_tokens")])
+def test_fields_that_would_be_ignored_are_400(own_server, body, param):
+    """A field the request's mode does not read (depth outside fixed mode, thr in it), stream_options
+    without a stream: refused by name, as the command lines refuse them, never silently dropped."""
+    status, text = post(own_server[0] + "/v1/completions", body)
+    assert status == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+def test_completion_streams_usage_when_asked(own_server):
+    url = own_server[0]
+    body = {"prompt": "the cat", "max_tokens": 5, "temperature": 0, "n": 2}
+    full = json.loads(post(url + "/v1/completions", body)[1])
+    status, text = post(url + "/v1/completions", dict(body, stream=True, stream_options={"include_usage": True}))
+    events = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+    assert status == 200 and events[-1]["choices"] == [] and events[-1]["usage"] == full["usage"]
+    assert all("usage" not in e for e in events[:-1])
+
+
+def test_bodies_that_break_a_json_parser_and_odd_methods_get_json_errors(own_server):
+    """A body nested thousands deep, a number of thousands of digits: 400; a method the API has not
+    (PUT, DELETE, a made-up one): 501, as a JSON error like every other, not the standard library's
+    HTML page; the server goes on."""
+    url = own_server[0]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    huge = b'{"prompt": "a", "max_tokens": ' + b"7" * 5000 + b"}"
+    for data in (deep, huge, b'{"prompt": ' + deep + b"}"):
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(data)}\r\n\r\n".encode())
+        assert raw_request(url, head, data) == 400
+    for method in (b"PUT", b"DELETE", b"FROB"):
+        host, port = url[7:].split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(method + b" /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            got = b""
+            while not got.endswith(b"}"):
+                part = sock.recv(4096)
+                if not part:
+                    break
+                got += part
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == b"501" and b"application/json" in head
+        assert json.loads(body)["error"]["message"]
+    assert post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+
+
+def test_a_burst_of_clients_is_answered_whole(own_server):
+    """150 raw connections opened at once, each sending a valid request: all answered 200, none reset
+    or left unanswered (the listen backlog holds the burst; with the standard library's 5, some wait
+    out their timeout here), and a half-sent request does not hold up the others."""
+    url = own_server[0]
+    host, port = url[7:].split(":")
+    body = json.dumps({"prompt": "the cat", "max_tokens": 2, "temperature": 0}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    stalled = socket.create_connection((host, int(port)), timeout=30)
+    stalled.sendall(request[:40])                                     # and never the rest
+    results, barrier = [], threading.Barrier(150)
+
+    def client():
+        try:
+            barrier.wait()
+            results.append(raw_request(url, request))
+        except OSError as e:
+            results.append(repr(e))
+    threads = [threading.Thread(target=client) for _ in range(150)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    stalled.close()
+    assert results == [200] * 150, results
+
+
 def test_a_port_in_use_is_a_one_line_error(own_server):
     from configurator import UserError
     port = int(own_server[0].rsplit(":", 1)[1])
     with pytest.raises(UserError, match=f"--port={port}"):
         serve(own_server[1], "127.0.0.1", port)
+
+
+def test_a_stream_never_shows_what_a_stop_string_removes():
+    """Choices, fed token by token (one character each), against the text the whole response gives:
+    random texts and multi-character stop strings that begin, end or overlap anywhere, n = 2; what
+    the stream sends, joined, is exactly the final text of each choice."""
+    from types import SimpleNamespace
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    alphabet = "ab\nsu"
+    for _ in range(300):
+        texts = ["".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (int(torch.randint(1, 14, ())),),
+                                                                 generator=rng)) for _ in range(2)]
+        stop = ["".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (int(torch.randint(1, 5, ())),),
+                                                                generator=rng)) for _ in range(int(torch.randint(1, 3, ())))]
+        reqs = [Request([1], len(x), stop=(), tag=i) for i, x in enumerate(texts)]
+        choices = Choices(SimpleNamespace(decode=lambda ids: "".join(chr(t) for t in ids)), reqs, stop)
+        streamed = ["", ""]
+        for i, x in enumerate(texts):
+            for ch in x:
+                reqs[i].tokens.append(ord(ch))
+                choices.add(i, ord(ch))
+                streamed[i] += choices.unsent(i)
+            reqs[i].finish_reason = "length"
+            choices.add(i, None)
+            streamed[i] += choices.unsent(i)
+        for i, x in enumerate(texts):
+            cuts = [x.find(s) for s in stop if s in x]
+            assert choices.texts[i] == (x[:min(cuts)] if cuts else x) == streamed[i], (x, stop)

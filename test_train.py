@@ -391,6 +391,21 @@ def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_d
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["seed"] == 7
 
 
+def test_a_second_run_into_a_used_out_dir_is_refused_while_the_first_runs(tmp_path, data_dir):
+    """The run writing an out_dir holds its lock (here taken as train.py takes it): another run into
+    the same folder stops with one line before writing anything; once the lock is gone it runs."""
+    from types import SimpleNamespace
+    out = str(tmp_path / "o")
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"]
+    first = train.lock_out_dir(SimpleNamespace(out_dir=out))
+    with pytest.raises(UserError, match="another train.py is writing"):
+        train.main(args)
+    assert sorted(os.listdir(out)) == [".lock"]
+    first.close()
+    train.main(args)
+    assert os.path.isfile(os.path.join(out, "ckpt.pt"))
+
+
 def test_training_beats_unigram_and_logs_metrics(tmp_path, data_dir):
     out = str(tmp_path / "o")
     m = train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=60", "--eval_interval=30",

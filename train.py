@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from checkpoint import atomic_write, load_checkpoint, model_args, save_checkpoint
+from checkpoint import atomic_write, is_ouro_folder, load_checkpoint, model_args, save_checkpoint
 from configurator import SEED_RULE, UserError, check_writable, device_rule, parse, resolve_device, run_cli
 from model import GPTConfig, LoopedLM, exit_log_pdf, exit_pdf, exit_stats, forward_ragged
 
@@ -551,6 +551,9 @@ def check_config(c):
             raise UserError(f"--{key} is empty: give a directory")
         if os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"--{key}={path}: exists and is not a directory")
+    if is_ouro_folder(c.out_dir):
+        raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); a run's ckpt.pt beside "
+                        "it would make --ckpt ambiguous. Give a folder of its own")
     if not c.eval_only:
         check_writable(c.out_dir, "out_dir")
     if c.init_from == "resume":
@@ -599,16 +602,17 @@ def dataset_meta(c, master, world):
     return meta
 
 
-def start_model(c, meta, device, master, data_gen, exit_gen):
+def start_model(c, meta, device, master, data_gen, exit_gen, given=()):
     """A new model, a resumed run (weights, optimizer and random states exactly where they stopped)
     or a branch (a parent's weights, a fresh optimizer). Returns (model, optimizer, iter_num,
-    resumed_at)."""
+    resumed_at). given: the keys the user set (set to what a resumed run or a branch already has, or
+    refused)."""
     ckpt_path = os.path.join(c.out_dir, "ckpt.pt")
     if c.init_from == "resume":
         model, ckpt = load_checkpoint(ckpt_path, device, flag="--out_dir")
         saved = ckpt["config"]
         for k in MODEL_KEYS + ["dataset", "batch_size"]:  # these define the run: kept, never changed
-            if getattr(c, k) != saved[k] and getattr(c, k) != DEFAULTS[k]:
+            if k in given and getattr(c, k) != saved[k]:
                 raise UserError(f"--{k}={getattr(c, k)!r}: --init_from=resume continues the run in {c.out_dir}, "
                                 f"which has {k}={saved[k]!r}; a resumed run keeps its shape, data and batch")
             setattr(c, k, saved[k])
@@ -622,6 +626,9 @@ def start_model(c, meta, device, master, data_gen, exit_gen):
     if c.branch_from:   # a branch-off (App. C): the parent's weights, then a run of its own
         model, ckpt = load_checkpoint(c.branch_from, device, flag="--branch_from")
         for k in MODEL_KEYS:
+            if k in given and getattr(c, k) != ckpt["model_args"][k]:
+                raise UserError(f"--{k}={getattr(c, k)!r}: --branch_from={c.branch_from} starts from its weights, "
+                                f"which have {k}={ckpt['model_args'][k]!r}; a branch keeps its parent's shape")
             setattr(c, k, ckpt["model_args"][k])
         if model.config.vocab_size != meta["vocab_size"]:
             raise UserError(f"--branch_from={c.branch_from}: its vocabulary ({model.config.vocab_size}) is not that of "
@@ -631,6 +638,26 @@ def start_model(c, meta, device, master, data_gen, exit_gen):
         return model.train(), make_optimizer(model, c, device), 0, None
     model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], **{k: getattr(c, k) for k in MODEL_KEYS})).to(device)
     return model, make_optimizer(model, c, device), 0, None
+
+
+def lock_out_dir(c):
+    """One run writes an out_dir at a time: the writing run holds an exclusive lock on out_dir/.lock
+    (the system releases it when the process ends, killed or not), and a second run into the same
+    folder is refused while the first one runs, before it writes anything. Where the system has no
+    flock (Windows), nothing is checked."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    os.makedirs(c.out_dir, exist_ok=True)
+    f = open(os.path.join(c.out_dir, ".lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait for it to end or "
+                        "give another --out_dir")
+    return f
 
 
 def log_target(c, master):
@@ -656,7 +683,8 @@ def autocast(c, device):
 
 
 def main(argv):
-    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__))
+    given = set()
+    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__, given))
     check_config(c)
     rank, world, device = setup_distributed(c)
     master = rank == 0
@@ -665,7 +693,7 @@ def main(argv):
     meta = None if c.init_from == "resume" else dataset_meta(c, master, world)
     data_gen = torch.Generator().manual_seed(c.seed)       # batches: the same on every rank
     exit_gen = torch.Generator().manual_seed(c.seed + 2)   # sampled exits of ragged steps
-    model, optimizer, iter_num, resumed_at = start_model(c, meta, device, master, data_gen, exit_gen)
+    model, optimizer, iter_num, resumed_at = start_model(c, meta, device, master, data_gen, exit_gen, given)
     meta = meta or dataset_meta(c, master, world)          # a resumed run: the dataset it was trained on
     train, val = load_split(c, "train"), load_split(c, "val")
     label_path = os.path.join(c.data_dir, c.dataset, "val_labels.bin")
@@ -703,14 +731,19 @@ def main(argv):
                           master=master, rank=rank, world=world, n_micro=n_micro, device=device, ctx=ctx,
                           prior=prior, record_of=record_of, train=train, val=val, labels=labels,
                           item_labels=item_labels)
-    run.log_file, run.pending = log_target(c, master)
-    if resumed_at is not None and master:
-        trim_log(os.path.join(c.out_dir, "log.jsonl"), resumed_at)
+    lock = lock_out_dir(c) if master else None            # before the first write into out_dir
     try:
-        metrics = train_loop(c, run, iter_num, resumed_at)
-    finally:   # interrupted before this run's first checkpoint: its log has nothing to go with
-        if master and run.pending and os.path.exists(run.log_file):
-            os.remove(run.log_file)
+        run.log_file, run.pending = log_target(c, master)
+        if resumed_at is not None and master:
+            trim_log(os.path.join(c.out_dir, "log.jsonl"), resumed_at)
+        try:
+            metrics = train_loop(c, run, iter_num, resumed_at)
+        finally:   # interrupted before this run's first checkpoint: its log has nothing to go with
+            if master and run.pending and os.path.exists(run.log_file):
+                os.remove(run.log_file)
+    finally:
+        if lock is not None:
+            lock.close()
     if master and metrics is not None:
         print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
               f"{metrics['val_loss_ragged']} vs unigram baseline {baseline:.4f}; checkpoint: "
