@@ -172,12 +172,38 @@ OURO_ONLY = {"hidden_act": ["silu"], "rope_scaling": [None], "use_sliding_window
              "attention_dropout": [0, 0.0], "attention_bias": [False]}
 
 
+def read_json(path, kind=dict):
+    """A JSON file of a model folder, of the expected kind: UserError naming the file otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e})")
+    except OSError as e:
+        raise UserError(f"{path}: cannot read it ({e.strerror or e})")
+    if not isinstance(value, kind):
+        raise UserError(f"{path}: a JSON {type(value).__name__}, where a JSON object is expected")
+    return value
+
+
+# the types of the config fields we read: integers >= 1, positive numbers
+OURO_INTS = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "total_ut_steps", "max_position_embeddings", "head_dim"}
+
+
 def ouro_config(folder):
-    with open(os.path.join(folder, "config.json")) as f:
-        try:
-            hf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{folder}/config.json is not valid JSON ({e})")
+    hf = read_json(os.path.join(folder, "config.json"))
+    for key, value in hf.items():
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        number = whole or isinstance(value, float)
+        if (key in OURO_INTS and not (whole and value >= 1)) or (
+                key in ("rope_theta", "rms_norm_eps") and not (number and 0 < value < float("inf"))):
+            raise UserError(f"{folder}/config.json: {key}={value!r} is not a positive "
+                            f"{'integer' if key in OURO_INTS else 'number'}")
+    if not isinstance(hf.get("layer_types", []), list):
+        raise UserError(f"{folder}/config.json: layer_types={hf['layer_types']!r} is not a list")
     if hf.get("model_type", "ouro") != "ouro":
         raise UserError(f"{folder}: model_type {hf.get('model_type')!r} is not 'ouro'")
     missing = [k for k in OURO_FIELDS if k not in hf and k not in ("num_key_value_heads", "max_position_embeddings")]
@@ -209,8 +235,14 @@ def read_ouro_tensors(folder):
     st = _safetensors()
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) and v and os.path.basename(v) == v for v in weight_map.values()):
+            raise UserError(f"{index}: its weight_map must name, for every tensor, a file of this folder")
+        files = sorted(set(weight_map.values()))
+        absent = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
+        if absent:
+            raise UserError(f"{index} names {len(absent)} file(s) the folder lacks, e.g. {absent[0]}")
     else:
         files = ["model.safetensors"]
     tensors = {}
@@ -249,8 +281,7 @@ def load_ouro(folder, device="cpu", dtype=None):
     model.eval()
     meta = {}
     if os.path.isfile(os.path.join(folder, "meta.json")):          # exported from here: our tokenizer
-        with open(os.path.join(folder, "meta.json")) as f:
-            meta = json.load(f)
+        meta = read_json(os.path.join(folder, "meta.json"))
     elif os.path.isfile(os.path.join(folder, "tokenizer.json")):   # Ouro's own (SmolLM2-style)
         meta = {"tokenizer": "hf", "path": os.path.join(folder, "tokenizer.json"), "vocab_size": cfg.vocab_size}
     return model, {"model_args": asdict(cfg), "meta": meta, "ouro_config": hf}

@@ -44,6 +44,11 @@ def sandbox(tmp_path_factory):
     (trunc / "train.bin").write_bytes(b"\x01" * 4001)        # an odd number of bytes: not uint16 ids
     (trunc / "val.bin").write_bytes(b"\x01" * 4000)
     (trunc / "meta.json").write_text('{"tokenizer": "char", "vocab_size": 44, "chars": "abc"}')
+    wrong = root / "data" / "wrong_ids"                      # ids past the vocabulary its meta.json gives
+    wrong.mkdir(parents=True)
+    for split in ("train", "val"):
+        (wrong / f"{split}.bin").write_bytes(bytes([1, 0] * 3000 + [0x60, 0xea]))
+    (wrong / "meta.json").write_text((root / "data" / "synthetic" / "meta.json").read_text())
     (root / "empty.txt").write_text("")
     (root / "notes.txt").write_text("hello, not a checkpoint\n")
     return root
@@ -123,6 +128,7 @@ CASES = [
     # one model per folder; names that say what is wrong
     (export_ouro, ["--ckpt=ouro_ckpt", "--out=out"], "out"), (train, ["--out_dir=exported"], "out_dir"),
     (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--engine=gpu"], "engine"),
+    (train, ["--eval_thr=0.5,0.3,0.5"], "eval_thr"), (train, ["--dataset=wrong_ids"], "dataset"),
     (server, ["--ckpt=out", "--host=no-such-host.invalid", "--port=0"], "host"),
     # eval.py, bench_kernels.py
     (eval_py, ["--ckpt=nowhere", "--builtin=synthetic"], "ckpt"), (eval_py, ["--builtin=synthetic", "--modes=warp@0.5"], "modes"),

@@ -207,6 +207,49 @@ def test_no_folder_holds_two_models(tmp_path):
     assert "ckpt.pt" not in os.listdir(exp)
 
 
+@pytest.mark.parametrize("case", ["config_list", "config_types", "config_not_utf8", "config_layer_types",
+                                  "index_no_map", "index_missing_shard", "index_path", "meta_not_object",
+                                  "meta_not_json"])
+def test_malformed_ouro_folders_are_one_line_errors(tmp_path, case):
+    """Every file of an Ouro folder malformed in its own way: a UserError naming the file (and the
+    field), never a traceback from deep inside the loader."""
+    folder = write_folder(str(tmp_path / "f"), CFG, ouro_tensors(CFG, seed=3), shards=2 if "index" in case else 1)
+    path = lambda name: os.path.join(folder, name)
+    if case == "config_list":
+        json.dump([CFG], open(path("config.json"), "w"))
+    elif case == "config_types":
+        json.dump(dict(CFG, hidden_size="32"), open(path("config.json"), "w"))
+    elif case == "config_not_utf8":
+        open(path("config.json"), "wb").write(b'{"model_type": "ouro", "x": "\xff"}')
+    elif case == "config_layer_types":
+        json.dump(dict(CFG, layer_types="full_attention"), open(path("config.json"), "w"))
+    elif case == "index_no_map":
+        json.dump({"metadata": {}}, open(path("model.safetensors.index.json"), "w"))
+    elif case == "index_missing_shard":
+        os.remove(path("model-00002-of-00002.safetensors"))
+    elif case == "index_path":
+        index = json.load(open(path("model.safetensors.index.json")))
+        index["weight_map"] = {k: "../elsewhere.safetensors" for k in index["weight_map"]}
+        json.dump(index, open(path("model.safetensors.index.json"), "w"))
+    elif case == "meta_not_object":
+        json.dump(["char"], open(path("meta.json"), "w"))
+    else:
+        open(path("meta.json"), "w").write("{chars: ")
+    with pytest.raises(UserError) as e:
+        load_checkpoint(folder)
+    assert folder in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_corrupt_tokenizer_entries_are_one_line_errors(tmp_path):
+    for meta in ([1], {"tokenizer": "char"}, {"tokenizer": "char", "chars": 5}, {"tokenizer": "pieces", "pieces": ["a", ""]},
+                 {"tokenizer": "hf", "path": str(tmp_path / "missing.json")}, {"tokenizer": "bpe"}):
+        with pytest.raises(UserError):
+            tokenizer.load_tokenizer(meta)
+    (tmp_path / "bad.json").write_text("{not a tokenizer")
+    with pytest.raises(UserError, match="not a readable tokenizer.json"):
+        tokenizer.load_tokenizer({"tokenizer": "hf", "path": str(tmp_path / "bad.json")})
+
+
 def test_weights_with_nan_or_infinity_are_refused_at_load(tmp_path):
     model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=40))
     state = model.state_dict()

@@ -45,8 +45,17 @@ def pieces_meta(pieces):
 
 
 def load_tokenizer(meta, tiktoken_file=""):
-    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str)."""
-    if meta.get("tokenizer") == "char":
+    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str). A meta
+    that is not one of ours (a corrupt file or checkpoint) is a UserError naming what is wrong."""
+    if not isinstance(meta, dict):
+        raise UserError(f"the tokenizer description is {type(meta).__name__}, not a JSON object")
+    kind = meta.get("tokenizer")
+    entry = {"char": "chars", "pieces": "pieces", "hf": "path"}.get(kind)
+    if entry and not (isinstance(meta.get(entry), str) and meta[entry] if kind != "pieces" else
+                      isinstance(meta.get(entry), list) and meta[entry] and all(isinstance(p, str) and p
+                                                                               for p in meta[entry])):
+        raise UserError(f"tokenizer {kind!r}: its {entry!r} is missing or malformed in the model's meta")
+    if kind == "char":
         chars = meta["chars"]
         stoi = {c: i for i, c in enumerate(chars)}
 
@@ -79,7 +88,10 @@ def load_tokenizer(meta, tiktoken_file=""):
         except ImportError:
             raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
                             "(pip install tokenizers); --prompt_ids works without it")
-        tok = Tokenizer.from_file(meta["path"])
+        try:
+            tok = Tokenizer.from_file(meta["path"])
+        except Exception as e:          # a missing, truncated or foreign file: the library's own message
+            raise UserError(f"{meta['path']}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})")
         return (lambda s: tok.encode(s, add_special_tokens=False).ids), (lambda ids: tok.decode(ids, skip_special_tokens=False))
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)

@@ -439,7 +439,11 @@ def spearman(a, b):
 
 
 def eval_thresholds(c):
-    return [float(t) for t in str(c.eval_thr).split(",") if t.strip()]  # checked by RULES
+    """--eval_thr's values, in order, each once (checked by RULES; a value given twice is refused)."""
+    thrs = [float(t) for t in str(c.eval_thr).split(",") if t.strip()]
+    if len(set(thrs)) != len(thrs):
+        raise UserError(f"--eval_thr={c.eval_thr}: a threshold given twice; give each once")
+    return thrs
 
 
 @torch.no_grad()
@@ -571,6 +575,7 @@ def check_config(c):
         GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
     if c.stop_iter == 0:
         raise UserError("--stop_iter=0: stops before the first step; give a positive iteration (or -1: no stop)")
+    eval_thresholds(c)
 
 
 def micro_batches(c, world):
@@ -700,10 +705,14 @@ def main(argv):
     labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
     item_path = os.path.join(c.data_dir, c.dataset, "val_item_labels.bin")
     item_labels = np.memmap(item_path, dtype=np.uint8, mode="r") if os.path.isfile(item_path) else None
-    for split in (train, val):
+    for name, split in (("train", train), ("val", val)):
         if len(split) <= c.block_size + 1:
             raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
                             "tokens; it needs more than block_size + 1")
+        top = max(int(split[i:i + 2**26].max()) for i in range(0, len(split), 2**26))   # a pass over the ids
+        if top >= model.config.vocab_size:
+            raise UserError(f"--dataset={c.dataset}: its {name} split holds token id {top}, outside the vocabulary of "
+                            f"{model.config.vocab_size} (meta.json and the ids disagree); prepare it again")
     ctx = autocast(c, device)
     U = model.config.n_loops
     prior = exit_prior(c.prior, U, c.prior_lambda).to(device)
