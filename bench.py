@@ -114,16 +114,19 @@ def bench_model(seed, shape="decode", vocab=None, loop_norm=False):
         model.early_exit_gate.bias.fill_(spec["gate_bias"])
     return model
 
-def timed(fns, repeats):
+def timed(fns, repeats, desc="bench"):
     """Time every fn of {name: fn} `repeats` times, interleaved (name by name within each round, so
-    that a slow spell of a loaded machine hits every mode alike). Returns {name: (median seconds,
-    (fastest, slowest)), last result}."""
+    that a slow spell of a loaded machine hits every mode alike), with a progress bar on stderr.
+    Returns {name: (median seconds, (fastest, slowest)), last result}."""
+    from tqdm import tqdm
     times, out = {name: [] for name in fns}, {}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            out[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+    with tqdm(total=repeats * len(fns), desc=desc, unit="run", file=sys.stderr, disable=None, leave=False) as bar:
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                out[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+                bar.update(1)
     return {name: (statistics.median(t), (min(t), max(t)), out[name]) for name, t in times.items()}
 
 

@@ -28,7 +28,8 @@ from tokenizer import EOS, load_tokenizer
 def atomic_write(path, write):
     """Write a file atomically: write(tmp) fills a temp file beside `path`, which gets the usual
     permissions (0666 less the umask; mkstemp would leave 0600) and is then renamed over `path`.
-    An interrupted write leaves the old file as it was."""
+    An interrupted write leaves the old file as it was; a write that fails (a full disk: an OSError
+    from a file object, a RuntimeError from torch.save) is a UserError naming the path."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
@@ -39,9 +40,12 @@ def atomic_write(path, write):
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, (OSError, RuntimeError)):
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[-1][:120]
+            raise UserError(f"cannot write {path} ({reason}); what was there before is kept as it was") from e
         raise
 
 

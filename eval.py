@@ -580,9 +580,15 @@ def run_lm_eval(model, encode, decode, specs, c, device):
     manager = TaskManager(include_path=c["lm_eval_include"] or None)
     runs = []
     for spec in specs:
-        res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec, c, device),
-                                      tasks=[t for t in c["lm_eval"].split(",") if t], num_fewshot=c["shots"] or None,
-                                      limit=c["limit"] or None, task_manager=manager)
+        try:
+            res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec, c, device),
+                                          tasks=[t for t in c["lm_eval"].split(",") if t], num_fewshot=c["shots"] or None,
+                                          limit=c["limit"] or None, task_manager=manager)
+        except (UserError, KeyboardInterrupt):
+            raise
+        except Exception as e:       # its task's data could not be loaded (offline, a missing local file), ...
+            raise UserError(f"--lm_eval={c['lm_eval']}: lm-evaluation-harness failed to run it: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''} (offline? its datasets must be on disk)")
         for task, metrics in res["results"].items():
             runs.append(dict(task=f"lm_eval:{task}", mode=spec[0], thr=spec[1], depth=spec[2], n_items=None,
                              acc=metrics.get("acc,none"), acc_norm=metrics.get("acc_norm,none"), pass_at=None,

@@ -406,6 +406,27 @@ def test_a_second_run_into_a_used_out_dir_is_refused_while_the_first_runs(tmp_pa
     assert os.path.isfile(os.path.join(out, "ckpt.pt"))
 
 
+def test_a_full_disk_is_a_one_line_error_and_the_old_files_stay(tmp_path, monkeypatch):
+    """A write that fails midway (ENOSPC from a file object, torch.save's RuntimeError): one error
+    naming the file, no temp file left, the earlier file unchanged."""
+    import errno
+    from checkpoint import save_checkpoint, write_json
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint({"a": 1}, str(path))
+    before = path.read_bytes()
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(json, "dump", full)
+    with pytest.raises(UserError, match="cannot write .*log.json .No space left on device"):
+        write_json(str(tmp_path / "log.json"), {"x": 1})
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")))
+    with pytest.raises(UserError, match="cannot write .*ckpt.pt"):
+        save_checkpoint({"a": 2}, str(path))
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+
+
 def test_training_beats_unigram_and_logs_metrics(tmp_path, data_dir):
     out = str(tmp_path / "o")
     m = train.main(TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=60", "--eval_interval=30",
