@@ -390,11 +390,17 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
     mode, thr, depth = spec
     prefix = "".join(shot_text(s) + "\n\n" for s in shots)
     pairs, owners = [], []
+    V, T_max = model.config.vocab_size, model.config.block_size
     for i, item in enumerate(items):
         with item_errors(task, i):
             ctx = encode(prefix + item["context"]) if "context" in item else item["context_ids"]
             for j, ch in enumerate(item.get("choices") or item["choices_ids"]):
-                pairs.append((ctx, encode(ch) if isinstance(ch, str) else list(ch)))
+                cont = encode(ch) if isinstance(ch, str) else list(ch)
+                if max(ctx + cont) >= V:
+                    raise UserError(f"token id {max(ctx + cont)} is outside the vocabulary [0, {V})")
+                if len(cont) >= T_max:
+                    raise UserError(f"choice {j} is {len(cont)} tokens, the context length is {T_max}")
+                pairs.append((ctx, cont))
                 owners.append((i, j))
     scores = continuation_logprobs(model, pairs, mode, thr, depth, c["batch_size"], device)
     records, acc, acc_norm, depths = [], [], [], []
@@ -450,7 +456,8 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
                     if tok is not None and stop in decode(r.tokens):
                         r.cancelled = True
                 r.on_token = on_token
-            reqs.append(engine.add(r))
+            with item_errors(task, i):                # a token id outside the vocabulary: named before any run
+                reqs.append(engine.add(r))
     from tqdm import tqdm
     with tqdm(total=len(reqs), desc=f"{task} {mode_name(*spec)}", unit="rollout", file=sys.stderr, disable=None,
               leave=False) as bar:
@@ -703,8 +710,7 @@ def main(argv):
     if c["builtin"]:
         tasks[c["builtin"]] = builtin_items(c["builtin"], c["builtin_items"], c["seed"], c["builtin_max_k"])
     torch.manual_seed(c["seed"])
-    os.makedirs(c["out"], exist_ok=True)
-    runs, records = [], []
+    runs, records = [], []                               # --out is written at the end only: a bad item changes nothing
     for task, items in tasks.items():
         shots, scored = items[:c["shots"]], items[c["shots"]:]
         if c["limit"]:

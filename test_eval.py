@@ -141,7 +141,11 @@ def test_bad_task_files_are_one_line_errors(tmp_path, ckpt, capsys):
                          ('{"type": "mc", "context": 5, "choices": ["b", "c"], "answer": 0}\n', "task"),
                          ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [-3]], "answer": 0}\n', "task"),
                          ('{"type": "gen", "prompt": "a", "answer": 7}\n', "task"),
-                         ('{"type": "gen", "prompt_ids": [], "answer": "b"}\n', "task")]:
+                         ('{"type": "gen", "prompt_ids": [], "answer": "b"}\n', "task"),
+                         ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [99999]], "answer": 0}\n', "task"),
+                         ('{"type": "gen", "prompt_ids": [99999], "answer_ids": [1]}\n', "task"),
+                         ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [3] * 9999], "answer": 0}\n'
+                          .replace("[3] * 9999", str([3] * 9999)), "task")]:
         bad.write_text(content)
         with pytest.raises(SystemExit) as e:
             configurator.run_cli(ev.main, [f"--ckpt={folder}", f"--task={bad}", f"--out={tmp_path / 'x'}"])
