@@ -177,7 +177,7 @@ def main(argv):
     np.random.seed(c["seed"])
     torch.manual_seed(c["seed"])
     # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
-    # sample s draws with its own generator seeded seed + s, whatever else is in the batch.
+    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else is batched.
     n_new = c["max_new_tokens"]
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
     try:

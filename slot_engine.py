@@ -266,6 +266,7 @@ class Seat:
         return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
 
     def last_position(self):
+        """The last position that runs: that of the token before the final one (which never runs)."""
         return len(self.req.prompt) + self.req.max_tokens - 2
 
 
@@ -296,7 +297,7 @@ class SlotEngine:
         check_pool(model, kv_pages)
         self.pool = PagePool.for_model(model, kv_pages, scratch=True)
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
-        self.sync_every, self.head = sync_every, "eager"
+        self.sync_every, self.head = sync_every, "eager"          # the LM head runs on every pass
         n_keys = model.config.block_size
         self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U), n_stop,
                            keep_logits)
