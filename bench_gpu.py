@@ -31,7 +31,8 @@ from model import GPTConfig, LoopedLM, attention, forward_lanes, threshold_exit
 from ragged import DenseLanes, StaticLanes
 from request import Request, sample_token
 from serve_depthbatch import Engine, weight_bytes
-from slot_engine import PLAIN, Graphs, SlotEngine, compiled_phases
+from slot_engine import Graphs, SlotEngine
+from slot_pass import PLAIN, compiled_phases
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
     "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048, ffn_hidden=5632),

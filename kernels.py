@@ -281,7 +281,7 @@ def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl=
                           scale=None):
     """Row r reads the first lengths[r] entries of table[req[r], depth[r]]: its request's column at its
     depth (Eq. 7 through Eq. 11), straight from the page table, with no value read on the host (the
-    slot engine's pass, slot_engine.py). table [requests, depths, keys] int64.
+    slot engine's pass, slot_pass.py). table [requests, depths, keys] int64.
     torch: gathers the first n_keys entries of every row (n_keys >= the longest row) and masks the
     rest: paged_attention_torch's read. triton: flash_decode with a fixed grid of n_splits."""
     if impl == "triton":

@@ -148,7 +148,7 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     """The Ouro layer: four RMSNorms ("sandwich"), attention and SwiGLU, no biases. Its two halves
     around the attention are methods of their own, so that a fast path can compile each once for
-    every layer and run its own attention between them (slot_engine.py)."""
+    every layer and run its own attention between them (slot_pass.py)."""
 
     def __init__(self, cfg):
         super().__init__()

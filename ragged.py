@@ -110,7 +110,7 @@ class PagePool:
     def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu", scratch=False):
         self.n_pages = n_pages
         # scratch: one more page, past the last, that padding rows of a static batch write and no row
-        # reads (slot_engine.py); it is never handed out
+        # reads (slot_pass.py); it is never handed out
         self.scratch = n_pages if scratch else None
         self.k = torch.zeros(n_layer, n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)

@@ -63,7 +63,7 @@ class Request:
 # the position: the same whatever else is batched, when a preempted request is replayed, and inside
 # a CUDA graph, which cannot hold a generator's state. Two ways compute it, one law: sample_token for
 # one row (the nucleus found without sorting the vocabulary) and sample_tokens for a batch with
-# static shapes (what slot_engine's graphs run); test_model.py checks that they agree.
+# static shapes (what slot_pass's graphs run); test_model.py checks that they agree.
 
 M32 = 0xFFFFFFFF
 

@@ -13,7 +13,7 @@ import sample
 import tokenizer
 from checkpoint import export_ouro, load_checkpoint
 from configurator import UserError
-from conftest import CFG, NORMS, make_tokenizer, ouro_tensors, write_folder
+from conftest import CFG, make_tokenizer, ouro_tensors, write_folder
 from model import GPTConfig, LoopedLM, forward_ragged
 from request import Request
 from serve_depthbatch import Engine

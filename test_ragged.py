@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from conftest import U, prompt, varied_model
-from model import FULL
 from kernels import grid_of
 from ragged import PageError, PagePool, PoolExhausted, RaggedSeq, alloc_wave
-from serve_depthbatch import prompt_thresholds
 
 def run_random_exits(seq, n, rng):
     """Tokens 0..n-1 run depth by depth, each stopping at a random exit (pages as the engine takes them)."""

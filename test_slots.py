@@ -1,4 +1,4 @@
-"""The slot engine (slot_engine.py) against the eager Engine, its reference, in float64: the same tokens,
+"""The slot engine (slot_engine.py, its pass slot_pass.py) against the eager Engine, its reference, in float64: the same tokens,
 exits of every position, logits, pages and passes for every mode, with mixed τ, prefill options,
 sampling, stop ids, cancellation, chunked prompts, staggered arrivals and the fixed scheduler; under
 preemption, each request the same as with room to spare. One pass runs on the meta device (no value
@@ -16,7 +16,8 @@ from model import GPTConfig, LoopedLM
 from ragged import PagePool
 from request import Request
 from serve_depthbatch import Engine
-from slot_engine import SlotEngine, Slots, bucket, engine_for, run_pass
+from slot_engine import SlotEngine, engine_for
+from slot_pass import Slots, bucket, run_pass
 
 
 def mixed_requests(rng, n, fixed_depth=None):
