@@ -146,19 +146,23 @@ def position_rules(r, start, end):
     ptaus = None
     for p in range(start, end):
         kind, run_full, keep_rule = MODES[r.mode]["prompt" if p < n else "decode"]
-        if kind == "never":
-            tau = FULL
-        elif kind == "thr":
-            tau = r.thr
-        else:
+        if kind == "prefill":
             if ptaus is None:
                 ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule, r.prefix_full).tolist()
             tau = ptaus[p]
+        else:
+            tau = FULL if kind == "never" else r.thr
         taus.append(tau)
         full.append(run_full)
         forced.append(r.exits[p] if p < len(r.exits) else 0)
         keep.append(keep_rule)
     return taus, full, forced, keep
+
+
+def decode_rule(r):
+    """How r's decode tokens run (its position_rules past the prompt): (τ, runs on to its last depth)."""
+    kind, run_full, _ = MODES[r.mode]["decode"]
+    return (FULL if kind == "never" else r.thr), run_full
 
 
 def keeps_one_depth(r):

@@ -33,8 +33,8 @@ from configurator import UserError
 from kernels import resolve_impl, splits_for
 from ragged import PagePool, RaggedSeq
 from request import seed_bits
-from serve_depthbatch import (MODES, Engine, as_fixed, check_pool, check_request, chunk_end, dry_pool, fit_chunk,
-                              keeps_one_depth, n_run, position_rules)
+from serve_depthbatch import (MODES, Engine, as_fixed, check_pool, check_request, chunk_end, decode_rule, dry_pool,
+                              fit_chunk, keeps_one_depth, n_run, position_rules)
 from slot_pass import PLAIN, ROWS, Slots, bucket, compiled_phases, run_pass
 
 SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
@@ -192,7 +192,7 @@ class SlotEngine:
         due = self._due()
         most = max(self._passes_left(s, pending) for s in self.running)     # no request needs more
         if self.scheduler == "fixed":       # every live row starts a wave at depth 1, all of one depth
-            m = n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
+            m = self._wave_depth()
             waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log.shape[0], most) // m))
         else:
             waves = [(True,)] * (1 if due else max(1, min(self.sync_every, most)))
@@ -231,10 +231,16 @@ class SlotEngine:
         self.restarted &= set(self.running)
         rows = self.slots_active - len(self.restarted)
         free = len(self.pool.free)
-        started, wave = bool(self.restarted), None
-        if self.scheduler == "fixed" and self.live.any():
-            wave = n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
+        started = bool(self.restarted)
+        wave = self._wave_depth() if self.scheduler == "fixed" and self.live.any() else None
         joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
+
+        def start(s, end):                  # the chunk counts against the rows and the pages left
+            nonlocal rows, free, started, wave
+            rows += end - s.done
+            free -= (end - s.done) * n_run(s.req, self.U)
+            self._start_chunk(s, end)
+            started, wave = True, n_run(s.req, self.U)
         for s in list(self.running):
             if s in self.restarted:
                 rows += 1
@@ -244,12 +250,8 @@ class SlotEngine:
             end = chunk_end(s, self.max_rows - rows)
             if end is not None and end - s.done > 1:
                 end = fit_chunk(s, end, free, self.U)
-            if end is None:
-                continue
-            rows += end - s.done
-            free -= (end - s.done) * n_run(s.req, self.U)
-            self._start_chunk(s, end)
-            started, wave = True, n_run(s.req, self.U)
+            if end is not None:
+                start(s, end)
         while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
             s = self.waiting[0]
             end = chunk_end(s, self.max_rows - rows)
@@ -262,13 +264,14 @@ class SlotEngine:
                 break
             self.waiting.popleft()
             self._admit(s)
-            rows += end - s.done
-            free -= (end - s.done) * n_run(s.req, self.U)
-            self._start_chunk(s, end)
-            started, wave = True, n_run(s.req, self.U)
+            start(s, end)
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
         if not started and not self.live.any() and self.running:
             self._evict(self.running[-1])   # nothing can start: the pages are held by requests that need more
+
+    def _wave_depth(self):
+        """The depth of the fixed wave under way: that of the request of any live row."""
+        return n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
 
     def _admit(self, s):
         """A request slot for s, filled with what its decode rows need on the device."""
@@ -278,12 +281,12 @@ class SlotEngine:
         s.seq = RaggedSeq(self.pool, self.U, len(r.prompt) + r.max_tokens)
         s.host_end = len(r.prompt) + len(r.tokens) - (1 if s.ending else 0)
         self.running.append(s)
-        taus, full, _, _ = position_rules(r, len(r.prompt) + r.max_tokens, len(r.prompt) + r.max_tokens + 1)
+        tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
         i = s.slot
         st.ntok[i], st.max_tok[i], st.dec_n_run[i], st.horizon[i] = len(r.tokens), r.max_tokens, n_run(r, self.U), -1
         st.stop_ids[i] = torch.tensor(stop, device=st.stop_ids.device)
-        st.dec_tau[i], st.dec_full[i], st.ended[i] = taus[0], full[0], s.ending
+        st.dec_tau[i], st.dec_full[i], st.ended[i] = tau, full, s.ending
         st.seed[i], st.top_k[i], st.temperature[i], st.top_p[i] = seed_bits(r.seed), r.top_k, r.temperature, r.top_p
 
     def _start_chunk(self, s, end):
