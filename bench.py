@@ -6,6 +6,7 @@ ratio measured in the same run (absolute times only mean something on a GPU).
                                           # engine's fixed@U and Dense-/ETE-Ragged at τ 0.3, 0.5
     python bench.py --ckpt out/           # ... on a trained checkpoint instead of the random bench model
     python bench.py --what=engine         # depth batching: schedulers x modes x batch sizes, and capacity
+    python bench.py --what=engine --quick # the same on short requests: checks the code, measures nothing
     python bench.py --what=train          # time per optimizer step of each training objective vs dense
     python bench.py --what=gpu --device=cuda   # graphed against eager at Ouro-1.4B's shape (bench_gpu.py)
 
@@ -67,6 +68,7 @@ DEFAULTS = dict(
     requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
     rounds=1,              # engine: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
+    quick=False,           # engine: every configuration on short requests, to check the code runs (measures nothing)
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
     max_rows=256,          # engine, queue workload: rows per pass that prefill chunks may fill (the fixed batch prefills all at once)
     attn="auto",           # engine: paged attention (kernels.py)
@@ -350,11 +352,23 @@ def ouro_code_generate(hf, prompts, n_new, temperature, top_p):
     return out[:, ids.shape[1]:].tolist()
 
 
+# The engine benchmark's request lengths: (prompt range, output range) of the queue and the capacity
+# table, (prompt, new tokens) of the fixed batch.
+LENGTHS = {"full": ((100, 1024), (100, 1024), (128, 512)), "default": ((16, 64), (32, 128), (32, 64)),
+           "quick": ((4, 12), (4, 16), (8, 12))}
+
+
+def size_of(c):
+    if c["full"] and c["quick"]:
+        raise UserError("--full and --quick: give one")
+    return "full" if c["full"] else "quick" if c["quick"] else "default"
+
+
 def queue_bench(model, c, thr, batches, bar):
     """A server's queue: 2 x batch + 8 requests of random lengths, the engines in turns (bench_runs),
     tok/s in the window of a loaded server. Every configuration against fixed@U of the same round."""
     U = model.config.n_loops
-    prompts, outputs = ((100, 1024), (100, 1024)) if c["full"] else ((16, 64), (32, 128))
+    prompts, outputs, _ = LENGTHS[size_of(c)]
     configs = [("fixed", "fixed", "eager")] + [("continuous", m, h) for m in ("dense_ragged", "ete_ragged")
                                                for h in HEADS] + [("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")]
     runs = []
@@ -387,7 +401,7 @@ def batch_bench(model, c, thr, batches, bar, hf=None):
     new tokens each, greedy and/or sampled as the paper does, timed from the first step to the last
     token; the batch ends with its deepest request. Against the Ouro way (ouro_way) and fixed@U,
     rounds in a shuffled order; hf: the public Ouro code on the same weights, one more row."""
-    n_prompt, n_new = (128, 512) if c["full"] else (32, 64)
+    n_prompt, n_new = LENGTHS[size_of(c)][2]
     configs = [("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")] + [
         ("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in HEADS] + (
         [("ouro_code", "fixed", "-")] if hf is not None else [])
@@ -462,8 +476,8 @@ def bench_engine(c):
     cfg, U = model.config, model.config.n_loops
     batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
     queue = c["workload"] != "batch" or c["capacity"]        # the queue's requests (and the capacity table's)
-    need = ([2048 if c["full"] else 192] if queue else []) + ([640 if c["full"] else 96] if c["workload"] != "queue" else [])
-    need = max(need)                                          # the longest request: prompt + new tokens
+    prompts, outputs, batch = LENGTHS[size_of(c)]
+    need = max(([prompts[1] + outputs[1]] if queue else []) + ([sum(batch)] if c["workload"] != "queue" else []))
     if need > cfg.block_size:
         raise UserError(f"--workload={c['workload']} --capacity={c['capacity']} needs a context of {need} tokens; the "
                         f"model has block_size={cfg.block_size} (--workload=batch --capacity=False needs the least)")
@@ -482,7 +496,6 @@ def bench_engine(c):
         if c["workload"] in ("batch", "both"):
             runs += batch_bench(model, c, thr, batches, bar, hf)
     # capacity: one pool of 40% of what fixed@U needs for 32 requests, the whole workload at once
-    prompts, outputs = ((100, 1024), (100, 1024)) if c["full"] else ((16, 64), (32, 128))
     work = workload(c["requests"] or (256 if c["full"] else 64), prompts, outputs, cfg.vocab_size, c["seed"] + 1)
     pages = int(0.4 * sum(len(p) + o for p, o in work[:32]) * U)
     capacity = [] if not c["capacity"] else bench_runs(

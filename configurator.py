@@ -21,11 +21,13 @@ and not checked.
 """
 import ast
 import io
+import json
 import math
 import os
 import re
 import sys
 import tempfile
+import time
 import tokenize
 import traceback
 
@@ -287,21 +289,32 @@ def check_writable(path, key):
         raise UserError(f"--{key}={path}: cannot write in {probe} ({e.strerror or e})")
 
 
+def fail(line):
+    """Print the error line and exit 2. Under torchrun every rank fails alike: rank 0 prints the line
+    and each rank leaves it in torchrun's error file, so that torchrun's own failure report (which
+    follows; torchrun exits 1) names it as the root cause instead of "<N/A>"."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    sys.exit(2)
+
+
 def run_cli(main, argv=None):
     """Call main(argv); a UserError becomes one line on stderr and exit code 2, and so does an OS
     error on a file (it names the path)."""
     try:
         main(sys.argv[1:] if argv is None else argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"error: {e}")
     except BrokenPipeError:  # e.g. piped into `head`
         sys.stderr.close()
     except OSError as e:
         if e.filename is None:
             raise
-        print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr)
-        sys.exit(2)
+        fail(f"error: {e.filename}: {e.strerror or e}")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)

@@ -441,9 +441,15 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
             if "prompt_ids" in item:
                 ids = list(item["prompt_ids"])
             else:
+                encode(item["prompt"])                # the item's own text first: a failure here is the item's
                 text = gen_prompt_text(item, shots, c["chat"])
-                ids = (chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
-                       if c["chat"] else encode(text))   # App. E.1: Ouro Thinking, thinking on
+                try:
+                    ids = (chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
+                           if c["chat"] else encode(text))   # App. E.1: Ouro Thinking, thinking on
+                except UserError as e:
+                    raise UserError(f"the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') adds text "
+                                    f"this model cannot encode: {e}; give prompt_ids, or extract='prefix' with "
+                                    f"--shots=0") from None
         cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"], model.config.block_size - len(ids))
         if cap < 1:
             raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "

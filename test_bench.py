@@ -39,7 +39,7 @@ def test_bench_prints_a_consistent_json_line(capsys):
     weight-read cost model adds up, fixed@U gives the Ouro way's tokens (greedy, and sampled with each
     request's own seed), the shared head needs no more
     head calls than the eager one, the capacity runs stay in their pool."""
-    bench.main(["--what=engine", "--shape=small_vocab", "--batches=2", "--requests=4", "--rounds=2"])
+    bench.main(["--what=engine", "--shape=small_vocab", "--batches=2", "--requests=4", "--rounds=2", "--quick"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     json.dumps(out, allow_nan=False)
     U = out["model"]["n_loops"]

@@ -101,7 +101,7 @@ CASES = [
     (server, ["--port=70000"], "port"), (server, ["--scheduler=fifo"], "scheduler"),
     (server, ["--attn=cuda_magic"], "attn"), (server, ["--max_batch=0"], "max_batch"),
     (server, ["--kv_pages=-1"], "kv_pages"), (bench, ["--what=engine", "--engine_thr=2"], "engine_thr"),
-    (bench, ["--what=engine", "--batches=a,b"], "batches"), (bench, ["--what=engine", "--batches=8", "--requests=4"], "requests"),
+    (bench, ["--what=engine", "--full", "--quick"], "quick"), (bench, ["--what=engine", "--batches=a,b"], "batches"), (bench, ["--what=engine", "--batches=8", "--requests=4"], "requests"),
     (server, ["--ckpt=nowhere"], "ckpt"),
     (server, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (server, ["--device=cuda"], "device"),
     (reproduce, [], "quick"), (reproduce, ["--quick", "--full"], "full"), (reproduce, ["--quick", "--seeds=0"], "seeds"),
@@ -181,3 +181,28 @@ def test_the_engine_file_points_to_the_server_and_the_benchmark():
     r = subprocess.run([sys.executable, "serve_depthbatch.py", "--ckpt", "out/"], cwd=here, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "python server.py" in r.stderr and "bench.py --what=engine" in r.stderr
+
+
+def test_torchrun_bad_flag_is_one_line_and_torchrun_names_it(tmp_path):
+    """Under torchrun every rank fails alike: the line is printed once (rank 0), and torchrun's own
+    failure report that follows names it as each rank's cause instead of "<N/A>"."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        os.path.join(here, "train.py"), "--n_layer=abc"], capture_output=True, text=True,
+                       timeout=120, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    line = "error: --n_layer='abc': expected int (default 2)"
+    assert r.returncode != 0 and r.stderr.splitlines().count(line) == 1, r.stderr[-2000:]
+    assert r.stderr.count(f"traceback : {line}") == 2 and "<N/A>" not in r.stderr, r.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_sample_says_when_the_context_cuts_max_new_tokens(sandbox, monkeypatch, capsys):
+    """A prompt near the context length: sample.py makes what fits and says so on stderr."""
+    monkeypatch.chdir(sandbox)
+    samples = sample.main(["--ckpt=out", "--prompt=the cat sat", "--max_new_tokens=100", "--thr=0.5"])
+    err = capsys.readouterr().err
+    room = 16 - len("the cat sat")
+    assert f"max_new_tokens=100 cut to {room} to fit the context length 16" in err, err
+    assert len(samples[0]["text"]) == room

@@ -159,6 +159,23 @@ def test_bad_task_files_are_one_line_errors(tmp_path, ckpt, capsys):
     assert not os.path.exists(tmp_path / "x")
 
 
+def test_a_template_the_vocabulary_cannot_encode_is_blamed_not_the_prompt(tmp_path, capsys):
+    """A char model without 'Q', 'A' or ':' cannot encode App. D's template: the error says so, while a
+    prompt with characters of its own the model lacks is blamed on the item."""
+    import configurator
+    meta = char_meta(sorted(set(string.ascii_lowercase + " ")))
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
+                               ffn_hidden=24))
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": meta},
+                    str(tmp_path / "ckpt.pt"))
+    for prompt, says in [("two plus two", "the prompt template"), ("TWO", "item 0: characters 'OTW'")]:
+        task = write_jsonl(tmp_path / "t.jsonl", [{"type": "gen", "prompt": prompt, "answer": "four"}])
+        with pytest.raises(SystemExit) as e:
+            configurator.run_cli(ev.main, [f"--ckpt={tmp_path}", f"--task={task}", f"--out={tmp_path / 'x'}"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
 def test_lm_eval_adapter_answers_a_local_task(tmp_path, ckpt):
     """lm-evaluation-harness runs our model (ETE-Ragged) on a task defined here, offline."""
     import lm_eval

@@ -235,7 +235,7 @@ def malformed(rng):
     fields = ["max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "seed", "n", "stream", "stop",
               "prefill_thr", "prefill_schedule", "prefix_full", "prompt", "max_token", "frobnicate", "logprobs"]
     values = [10**30, 2**64, -1, -5.5, "x", [], {}, None, True, [1, "a"], [999], "1e999", 1e308, 0, 17, "warp"]
-    kind = rng.choice(["field", "field", "field", "json", "length", "type", "path"])
+    kind = rng.choice(["field", "field", "field", "json", "length", "type", "path", "shape"])
     body = {"prompt": rng.choice(["the cat", [3, 4, 5]]), "max_tokens": 3}
     if kind == "field":
         for _ in range(rng.randint(1, 3)):
@@ -255,6 +255,23 @@ def malformed(rng):
         ctype = rng.choice([b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data"])
     elif kind == "path":
         path = rng.choice([b"/v1/nothing", b"/", b"/v1/completions/../x"])
+    elif kind == "shape":      # bodies that parse but must not reach the engine, on both endpoints
+        depth = rng.randint(100, 5000)
+        path, data = rng.choice([
+            (path, b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"),
+            (path, b'{"prompt": "a", "max_tokens": ' + b"9" * rng.randint(400, 6000) + b"}"),
+            (path, b'{"prompt": "a", "seed": -' + b"9" * rng.randint(400, 6000) + b"}"),
+            (path, json.dumps({"prompt": "a", "mode": "ete_ragged", "thr": 0.5, "depth": 2}).encode()),
+            (path, json.dumps({"prompt": "a", "mode": "fixed", "depth": 2, "thr": 0.5}).encode()),
+            (path, json.dumps({"prompt": "a", "stream": True, "stream_options": rng.choice([1, [], "x"])}).encode()),
+            (b"/v1/chat/completions", json.dumps({"messages": [{"role": rng.choice(["robot", 5, None]),
+                                                               "content": "hi"}]}).encode()),
+            (b"/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+                rng.choice([{"type": "image_url"}, {"type": "text"}, {"type": "text", "text": 5}, "x"])]}]}).encode()),
+            (b"/v1/chat/completions", json.dumps({"messages": rng.choice([[], {}, "hi", [[]]])}).encode()),
+            (b"/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_completion_tokens": rng.choice([0, -1, "x", 10**30])}).encode())])
+        length = str(len(data)).encode()
     head = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: " + ctype + b"\r\n"
     if length != b"":
         head += b"Content-Length: " + length + b"\r\n"
