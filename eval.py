@@ -48,7 +48,7 @@ from tokenizer import IM_END, chat_ids, check_chat
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums), "pointer" or "hops" (look-ups after the query)
+    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums), "pointer", "hops" or "graded" (look-ups after the query)
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     builtin_max_k=4,       # the hardest level of the builtin suite (levels 1..builtin_max_k)
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
@@ -80,7 +80,7 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer", "hops"], builtin_items="in [1, 100000]", builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_items="in [1, 100000]", builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
              max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, seed=SEED_RULE,
              dtype=list(DTYPES),
@@ -177,8 +177,8 @@ def check_item(item, where):
 def builtin_items(kind, per_level, seed, max_k=4):
     """Held-out generation items from prepare_data's generators (another seed than the training
     text), difficulty 1..max_k, scored by the completion's first token (the models learn raw text, not a
-    question format). kind "synthetic": k-hop chains and digit sums; "pointer" and "hops": look-ups
-    that start after the query (the datasets of the same names)."""
+    question format). kind "synthetic": k-hop chains and digit sums; "pointer", "hops" and "graded":
+    look-ups that start after the query (the datasets of the same names)."""
     import prepare_data
     rng = random.Random(seed + 10_000)
     makers = list(dict.fromkeys(prepare_data.KINDS[kind]))     # the dataset's item makers, each once
@@ -506,13 +506,19 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
 
 
 def by_difficulty(records):
-    """Accuracy and the depth that produced the answer, per difficulty level (the builtin suite)."""
+    """Accuracy and the depth that produced the answer, per difficulty level (the builtin suite),
+    with the per-rollout values they average (generation: the answer's depth, whether it was right,
+    and Σ e over the prompt and the answer), so that intervals can be drawn from them."""
     out = {}
     for level in sorted({r["difficulty"] for r in records if r.get("difficulty")}):
         rs = [r for r in records if r.get("difficulty") == level]
         correct = [x for r in rs for x in r["correct"]] if rs[0]["type"] == "gen" else [r["correct"] for r in rs]
         depth = [d for r in rs for d in (r.get("answer_depth") or []) if d is not None]
         out[str(level)] = {"items": len(rs), "acc": float(np.mean(correct)), "answer_depth": float(np.mean(depth)) if depth else None}
+        if rs[0]["type"] == "gen":
+            out[str(level)]["rollouts"] = {
+                "correct": [int(x) for x in correct], "answer_depth": [d for r in rs for d in r["answer_depth"]],
+                "sum_exits": [sum(p) + (d or 0) for r in rs for p, d in zip(r["prompt_exits"], r["answer_depth"])]}
     return out
 
 

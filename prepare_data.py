@@ -2,7 +2,7 @@
 Datasets -> data/<name>/{train,val}.bin (uint16 token ids, as nanoGPT) + meta.json.
 
     python prepare_data.py                                  # synthetic (default, offline)
-    python prepare_data.py --dataset=pointer|hops           # look-ups after the query (below)
+    python prepare_data.py --dataset=pointer|hops|graded    # look-ups after the query (below)
     python prepare_data.py --dataset=shakespeare_char [--input=FILE]
     python prepare_data.py --dataset=text --input=FILE [--tokenizer=gpt2 --tiktoken_file=PATH]
     python prepare_data.py --dataset=fineweb_edu --tokens=10000000 [--tiktoken_file=PATH]
@@ -32,6 +32,11 @@ steps cannot be taken one per position as the facts arrive, beside sentences and
 reads in a row; a query of every chain, the first answer labelled:
   - pointer chasing, one token a fact   "hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3"   (E -> i -> 9: k = 2)
   python prepare_data.py --dataset=hops [--max_k=2 --name=hops2]
+`graded` hides the difficulty: the hops facts, but every item holds four chains of the lengths 1..4,
+and two queries of different chains, each answer labelled with its chain's length; which k a query
+has is known only by following its chain:
+  - graded look-ups                     "hn nl pg ld ae ei i3 m5 d8 g9 ; M5 A3"   (M: k = 1; A -> e -> i -> 3: k = 3)
+  python prepare_data.py --dataset=graded
 Besides val_labels.bin (the answer token's k), pointer and hops write val_item_labels.bin: the item's
 k on every token of the item span, since the work may sit anywhere in it.
 """
@@ -67,7 +72,7 @@ DEFAULTS = dict(
     max_k=4,               # synthetic, pointer, hops: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
     filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none; hops: never)
 )
-RULES = dict(dataset=["synthetic", "pointer", "hops", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
+RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
              seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
              max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
@@ -111,16 +116,17 @@ def _digit_sum(rng, max_k=4):
     return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
 
 
-def _chains(rng, k, n, alphabet):
-    """n chains of k names (head -> ... -> the one that holds a digit) and their facts [(name, value)]
-    in the order written: all the pointers first, the chains interleaved, each head first (so that
-    every fact names a variable defined *later*), then every chain's digit in a random order. The
-    chains have one length so that nothing but following the queried one tells its digit from the
-    others' (with chains of several lengths, the digit of the only long chain is the one a pointer
-    leads to), and the answer's place among the digits says nothing. Returns chains, digits, facts."""
-    names = iter(rng.sample(alphabet, n * k))
-    chains = [[next(names) for _ in range(k)] for _ in range(n)]
-    pointers = [[(vs[i], vs[i + 1]) for i in range(k - 1)] for vs in chains]
+def _chains(rng, lengths, alphabet):
+    """Chains of the given lengths (head -> ... -> the name that holds a digit) and their facts
+    [(name, value)] in the order written: all the pointers first, the chains interleaved, each head
+    first (so that every fact names a variable defined *later*), then every chain's digit in a
+    random order, so that the answer's place among the digits says nothing. With one length for all
+    chains nothing but following the queried one tells its digit from the others'; with the lengths
+    1..4 in every item (_graded) the item looks the same whichever chain is queried. Returns chains,
+    digits, facts."""
+    names = iter(rng.sample(alphabet, sum(lengths)))
+    chains = [[next(names) for _ in range(k)] for k in lengths]
+    pointers = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] for vs in chains]
     digits = [rng.choice("0123456789") for _ in chains]
     values = [(vs[-1], d) for vs, d in zip(chains, digits)]
     order = [i for i, c in enumerate(pointers) for _ in c]
@@ -136,7 +142,7 @@ def _pointer(rng, max_k=4):
     (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
     query is a copy of what followed its name before): an induction head."""
     k, n = rng.randint(1, max_k), 4
-    chains, digits, facts = _chains(rng, k, n, "abcdefghijklmnopqrstuvwxyz")
+    chains, digits, facts = _chains(rng, [k] * n, "abcdefghijklmnopqrstuvwxyz")
     item = [(" ".join(name.upper() + value for name, value in facts) + " ;", 0)]
     for i in rng.sample(range(n), 2):
         item += [(" " + chains[i][0].upper(), 0), (digits[i], k)]
@@ -151,15 +157,31 @@ def _hops(rng, max_k=4):
     in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the first answer is labelled k: a
     later one may be told by elimination (the last is the digit no earlier answer took)."""
     k, n = rng.randint(1, max_k), 4
-    chains, digits, facts = _chains(rng, k, n, HOP_NAMES)
+    chains, digits, facts = _chains(rng, [k] * n, HOP_NAMES)
     item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
     for j, i in enumerate(rng.sample(range(n), n)):
         item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 else 0)]
     return item
 
 
+def _graded(rng, max_k=4):
+    """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of an
+    item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the same
+    kinds, and two queries of different chains, each labelled with its chain's length
+    (`hn nl pg ld ae ei i3 m5 d8 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Which k a query has is
+    known only by following its chain: its head looks like every other head. Two queries of four
+    chains, so that no answer can be told by elimination."""
+    lengths = [1 + i % max_k for i in range(4)]
+    chains, digits, facts = _chains(rng, lengths, HOP_NAMES)
+    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
+    for i in rng.sample(range(4), 2):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], len(chains[i]))]
+    return item
+
+
 FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
-KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops]}
+KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops],
+         "graded": [_graded, _graded]}
 
 
 def synthetic_text(n_tokens, seed, kinds="synthetic", max_k=4, filler=True, encode=None):
@@ -209,9 +231,9 @@ def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
         meta = {"synthetic": char_meta(SYNTH_CHARS), "pointer": char_meta(POINTER_CHARS),
-                "hops": pieces_meta(HOP_PIECES)}[c["dataset"]]
+                "hops": pieces_meta(HOP_PIECES), "graded": pieces_meta(HOP_PIECES)}[c["dataset"]]
         encode, _ = load_tokenizer(meta)
-        filler = c["filler"] and c["dataset"] != "hops"   # hops's vocabulary has no tokens for the sentences
+        filler = c["filler"] and c["dataset"] in ("synthetic", "pointer")   # no tokens for sentences in the others
         text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], filler, encode)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
         look_ups = c["dataset"] != "synthetic"            # the work may sit anywhere in a look-up item

@@ -1,9 +1,11 @@
 """
 Reproduce the paper's findings at CPU scale: one grid of training runs, then RESULTS.md with the
-tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim.
+tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim (claims.py).
 
     python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
     python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~15 min per run (hops ~30)
+    python reproduce.py --full --only=grd-global-poisson-s1337    # one run (and its parents), then the report
+    python reproduce.py --full --report                           # RESULTS.md from the finished runs, no training
 
 The grid (fixed seeds; every run of one seed sees the same data in the same order):
   - local vs global prior enforcement (Eq. 9 vs Eq. 10) x uniform, geometric and Poisson priors;
@@ -20,13 +22,18 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
     ETE-Ragged (greedy);
   - the same on the hops task (the pointer items with one token per fact, one and two look-ups),
     with a block of one layer, 256 wide: the smallest setting found where depth buys accuracy (a
-    look-up a loop).
+    look-up a loop);
+  - the graded task (hops facts, every item one chain of each length 1..4, two queries each labelled
+    with its chain's length: the difficulty is hidden until the chain is followed), the hops model,
+    local vs global with the Poisson prior, 5 seeds each; ragged-aware (direct) and the dense
+    continuation from the first seed's runs. Reported per k, with bootstrap intervals: the answer's
+    exit depth, P(exit >= k), accuracy at the exit, Σ e over the item, and accuracy against compute
+    for every fixed depth and threshold.
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
 import contextlib
 import json
-import math
 import os
 import sys
 
@@ -37,6 +44,7 @@ import eval as eval_suite
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
+from claims import MAX_K, POINTER_TASKS, TASK_PRIORS, THRS, claims, graded_runs, graded_tables, replicates, rollouts
 from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from model import forward_ragged
 from tokenizer import load_tokenizer
@@ -50,25 +58,17 @@ DEFAULTS = dict(
     seed=1337,             # the first seed
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
+    report=False,          # write RESULTS.md and the figures from the runs finished in --out; train nothing
 )
 RULES = dict(seeds=">= 1", seed=SEED_RULE)
-THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
-# the pointer tasks' priors: Poisson, and the prior whose global run reads best on the synthetic grid
-# (the lowest ETE-Ragged loss at τ 0.5 of the three global runs: uniform, 0.835 against 0.842 and 0.850)
-POINTER_PRIORS = ["poisson", "uniform"]
-# the two look-up tasks (prepare_data's datasets): run-name prefix and the name their claims go by
-POINTER_TASKS = {"pointer": ("ptr", "Pointer task"), "hops": ("hop", "Hops task (one token a fact)")}
-# the hardest item of each task's data and builtin suite: hops is trained on one and two look-ups,
-# the levels that its model learns every time within a run's budget (k = 2 at depth 2 and not at
-# depth 1); three and four were learned by some runs and not by others (results/notes.md)
-MAX_K = {"pointer": 4, "hops": 2}
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
 SIZES = {
     "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
-                        "--batch_size=8", "--max_iters=30", "--eval_interval=15", "--eval_iters=2", "--warmup_iters=5",
-                        "--log_interval=5"], branch_iters=10, synthetic_chars=120_000, pointer_items=2,
-                  data_args={"pointer": ["--block_size=64"]}),   # a k = 4 pointer item's prompt is 53 characters
+                        "--batch_size=8", "--max_iters=16", "--eval_interval=8", "--eval_iters=2", "--warmup_iters=4",
+                        "--log_interval=4"], branch_iters=6, synthetic_chars=120_000, pointer_items=2,
+                  data_args={"pointer": ["--block_size=64"]},   # a k = 4 pointer item's prompt is 53 characters
+                  task_seeds=1, windows=32),
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
                        "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
                  pointer_items=50,
@@ -77,11 +77,18 @@ SIZES = {
                  # that continues in the next loop is learned late, in a jump: results/notes.md)
                  data_args={"hops": ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
                                      "--learning_rate=1.5e-3", "--max_iters=3000", "--lr_decay_start=2000",
-                                     "--eval_interval=500"]}),
+                                     "--eval_interval=500"]},
+                 task_seeds=5,    # seeds of each graded-task run
+                 windows=160),    # held-out windows per run that the claims' intervals resample
 }
+SIZES["full"]["data_args"]["graded"] = SIZES["full"]["data_args"]["hops"]   # the hops model: a look-up a loop
 
 
 # ----------------------------------------------------------------------------- the grid
+
+def size_of(c):
+    return "quick" if c["quick"] else "full"
+
 
 def grid(c):
     """Every run: name -> dict(data, args for train.py, parent)."""
@@ -108,11 +115,18 @@ def grid(c):
                                             args=["--prior=poisson", f"--seed={seeds[0]}"]
                                             + (["--global_kl"] if scope == "global" else []))
         for data, (prefix, _) in POINTER_TASKS.items():
-            for prior in POINTER_PRIORS:
-                for seed in seeds:
+            task_seeds = [c["seed"] + i for i in range(SIZES[size_of(c)]["task_seeds"])] if data == "graded" else seeds
+            for prior in TASK_PRIORS[data]:
+                for seed in task_seeds:
                     runs[f"{prefix}-{scope}-{prior}-s{seed}"] = dict(
                         data=data, scope=scope, prior=prior, seed=seed, max_k=MAX_K[data],
                         args=[f"--prior={prior}", f"--seed={seed}"] + (["--global_kl"] if scope == "global" else []))
+        # ragged-aware training on the graded task, and its control (the same continuation, dense)
+        for name, extra in (("ra-direct", ["--ragged_aware", "--ra_method=direct"]), ("cont-dense", [])):
+            runs[f"grd-{scope}-poisson-{name}"] = dict(
+                data="graded", scope=scope, prior="poisson", seed=seeds[0], max_k=MAX_K["graded"],
+                parent=f"grd-{scope}-poisson-s{seeds[0]}", **({"ra": "direct"} if extra else {}),
+                args=["--prior=poisson", f"--seed={seeds[0]}"] + extra + (["--global_kl"] if scope == "global" else []))
     runs["syn-global-poisson-flatbeta"] = dict(data="synthetic", scope="global", prior="poisson", seed=seeds[0],
                                                beta=0.1, args=["--prior=poisson", f"--seed={seeds[0]}", "--global_kl",
                                                                "--beta=0.1"])
@@ -140,13 +154,18 @@ def prepare(c, size, data_dir):
 
 
 def run_one(name, spec, c, size, runs):
-    """Train one run (or resume it), then save its result.json. Returns the result."""
+    """Train one run (or resume it), then save its result.json. Returns the result. A result
+    written before results held per-window losses gets them from its checkpoint, where it has one."""
     folder = os.path.join(c["out"], name)
     result_path = os.path.join(folder, "result.json")
+    budget = SIZES[size]
     if os.path.isfile(result_path):
         with open(result_path) as f:
-            return json.load(f)
-    budget = SIZES[size]
+            result = json.load(f)
+        if "windows" not in result and os.path.isfile(os.path.join(folder, "ckpt.pt")):
+            result["windows"] = window_losses(folder, os.path.join(c["out"], "data", spec["data"]), budget["windows"])
+            write_json(result_path, result)
+        return result
     args = budget["base"] + budget["data_args"].get(spec["data"], []) + spec["args"] + [
         f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}", f"--dataset={spec['data']}",
         "--eval_thr=" + ",".join(map(str, THRS))]
@@ -166,6 +185,7 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
+    result["windows"] = window_losses(folder, os.path.join(c["out"], "data", spec["data"]), budget["windows"])
     if spec["data"] != "shakespeare":
         result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", spec["data"]))
     if spec["data"] in POINTER_TASKS:
@@ -187,6 +207,28 @@ def builtin_by_depth(folder, kind, max_k, per_level, U):
 
 
 @torch.no_grad()
+def window_losses(folder, data, n=160, batch=16):
+    """The units the claims resample (claims.py): n held-out windows of the model's context, drawn
+    with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean loss
+    at each fixed depth, and ETE-Ragged's mean loss and mean exit depth at each τ of THRS."""
+    model, _ = load_checkpoint(folder)
+    val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
+    T = model.config.block_size
+    starts = np.random.default_rng(0).integers(0, len(val) - T - 1, n)
+    out = {"fixed": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
+    r = lambda xs: [round(float(v), 5) for v in xs]
+    for i in range(0, n, batch):
+        x = torch.tensor(np.stack([val[s:s + T] for s in starts[i:i + batch]]))
+        y = torch.tensor(np.stack([val[s + 1:s + T + 1] for s in starts[i:i + batch]]))
+        out["fixed"] += [r(w) for w in model(x, y)["losses"].float().mean(1)]      # (windows, U)
+        for t in THRS:
+            rag = forward_ragged(model, x, y, taus=t)
+            out["ragged"][str(t)] += r(rag["token_loss"].mean(1))
+            out["depth"][str(t)] += r(rag["exits"].double().mean(1))
+    return out
+
+
+@torch.no_grad()
 def exit_trace(folder, data, n=96, thr=0.5):
     """Figure 12: the exit depth that predicted each token of a held-out synthetic stretch (the
     position before it, ETE-Ragged at τ), with the token and its difficulty label."""
@@ -199,169 +241,6 @@ def exit_trace(folder, data, n=96, thr=0.5):
     decode = load_tokenizer(ckpt["meta"])[1]
     return {"tokens": [decode([i]) for i in ids[0, 1:].tolist()], "exits": exits,
             "labels": labels[start + 1:start + n + 1].tolist(), "thr": thr}
-
-
-# ----------------------------------------------------------------------------- the claims
-
-def fixed_frontier(loss_fixed, depth):
-    """The fixed-depth loss at a fractional average depth, interpolated between whole depths."""
-    lo = min(max(int(math.floor(depth)), 1), len(loss_fixed))
-    hi = min(lo + 1, len(loss_fixed))
-    t = depth - lo
-    return loss_fixed[lo - 1] * (1 - t) + loss_fixed[hi - 1] * t
-
-
-def mean_spread(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None
-    return float(np.mean(values)), (float(np.min(values)), float(np.max(values)))
-
-
-def claims(results, seeds):
-    """Each claim of the paper with the numbers that test it and a verdict computed from them."""
-    R = {r["name"]: r for r in results}
-    out = []
-    # 1. the ragged frontier lies above the fixed depths at equal average depth (Figure 1)
-    rows = []
-    for r in results:
-        if r.get("parent") or r.get("beta") or r["data"] in POINTER_TASKS:   # the look-up tasks have claims of their own
-            continue
-        f = r["final"]
-        for t in map(str, THRS):
-            d, loss = f["ragged_depth"][t], f["val_loss_ragged"][t]
-            rows.append(loss <= fixed_frontier(f["val_loss_fixed"], d))
-    out.append(dict(claim="ETE-Ragged beats fixed depths at equal average depth (Figure 1)",
-                    numbers=f"{sum(rows)} of {len(rows)} (run, τ) points lie at or below the interpolated fixed-depth "
-                            "frontier", holds=sum(rows) > len(rows) / 2))
-    # 2. global enforcement: many large jumps; local: almost none (paper, Poisson: 19.2% vs 0.2%)
-    jumps = {s: mean_spread([R.get(f"syn-{s}-poisson-s{x}", {}).get("final", {}).get("large_jump_rate") for x in seeds])
-             for s in ("local", "global")}
-    if jumps["local"][0] is not None and jumps["global"][0] is not None:
-        out.append(dict(claim="Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%)",
-                        numbers=f"large-jump rate, Poisson, synthetic, {len(seeds)} seed(s): global {pct(jumps['global'])}, "
-                                f"local {pct(jumps['local'])}",
-                        holds=jumps["global"][0] >= 3 * jumps["local"][0] + 0.02))
-    # 3. ragged-aware training brings the global model's ragged loss below its fixed@U loss; the
-    # dense continuation of the same parent for as many steps tells RA from more training
-    control = R.get("syn-global-poisson-cont-dense", {}).get("final")
-    for m in ("direct", "counterfactual", "reinforce4"):
-        r = R.get(f"syn-global-poisson-ra-{m}")
-        if r:
-            f = r["final"]
-            vs = (f"; the dense continuation: ragged@0.5 {control['val_loss_ragged']['0.5']:.4f}, fixed@U "
-                  f"{control['val_loss_fixed'][-1]:.4f}" if control else "")
-            out.append(dict(claim=f"Ragged-aware training ({m}) brings global's ragged loss below its fixed@U loss",
-                            numbers=f"ragged@0.5 {f['val_loss_ragged']['0.5']:.4f} vs fixed@U {f['val_loss_fixed'][-1]:.4f} "
-                                    f"(the parent: {parent_gap(R, r)}{vs})",
-                            holds=f["val_loss_ragged"]["0.5"] < f["val_loss_fixed"][-1]))
-    # 4. a flat β from the start collapses to depth-1 behaviour (Figure 7): "the model processes inputs
-    # in the first loop and then acts like identity in the next 3" (the paper saw it in the shift of
-    # the representations per loop). A loop that acts as identity leaves the loss where it was, so
-    # the test is what loops 2..U gain over loop 1; the exit fractions need not move (the prior holds them).
-    flat, sched = R.get("syn-global-poisson-flatbeta"), R.get(f"syn-global-poisson-s{seeds[0]}")
-    if flat and sched:
-        ff, fs = flat["final"], sched["final"]
-        gain = lambda f: f["val_loss_fixed"][0] - min(f["val_loss_fixed"][1:])
-        out.append(dict(claim="A flat β = 0.1 from the start collapses to depth-1 behaviour: the loops after the "
-                              "first do next to nothing (Figure 7)",
-                        numbers=f"loss gain of loops 2..U over loop 1: {gain(ff):.4f} vs {gain(fs):.4f} with the App. B "
-                                f"schedule; depth-1 fraction {ff['exit_fractions'][0]:.3f} vs {fs['exit_fractions'][0]:.3f}",
-                        holds=gain(ff) < 0.5 * gain(fs)))
-    # 5. exits follow difficulty (shown only qualitatively in the paper). Spearman is undefined when
-    # every labelled token exits at one depth: counted as 0 (no relation), and said so.
-    rho, by = {}, {}
-    for s in ("local", "global"):
-        finals = [R[f"syn-{s}-poisson-s{x}"]["final"] for x in seeds if f"syn-{s}-poisson-s{x}" in R]
-        rho[s] = mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals])
-        by[s] = [np.mean([f["depth_by_difficulty"][str(k)] for f in finals if f["depth_by_difficulty"].get(str(k))
-                          is not None] or [np.nan]) for k in range(1, 5)]
-    if rho["global"][0] is not None and rho["local"][0] is not None:
-        depths = lambda s: " / ".join(f"{d:.2f}" for d in by[s])
-        out.append(dict(claim="Exit depth rises with the next token's difficulty, more under global than local enforcement",
-                        numbers=f"Spearman(depth before a labelled token, its difficulty 1..4), Poisson: global "
-                                f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
-                                f"global {depths('global')}, local {depths('local')} (0 where the depth is constant)",
-                        holds=rho["global"][0] > rho["local"][0]))
-    out += pointer_claims(R, seeds)
-    return out
-
-
-def pointer_claims(R, seeds):
-    """The look-up tasks (pointer, hops), where the k look-ups can only start once the query is
-    read, per prior: first whether depth buys accuracy there at all (without it the exits have
-    nothing to follow), then whether the answer's exit depth, and the depth spent over the whole
-    item, rise with k, global against local."""
-    return [claim for prefix, task in POINTER_TASKS.values() for prior in POINTER_PRIORS
-            for claim in pointer_prior_claims(R, seeds, prior, prefix, task)]
-
-
-def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
-    out, finals, suites = [], {}, {}
-    name = f"{task}, {prior.capitalize()}"
-    for s in ("local", "global"):
-        rs = [R[n] for n in (f"{prefix}-{s}-{prior}-s{x}" for x in seeds) if n in R]
-        finals[s], suites[s] = [r["final"] for r in rs], [r["builtin"] for r in rs if r.get("builtin")]
-    if not all(suites.values()):
-        return out
-    levels = sorted({k for b in suites["global"] for k in b["fixed@1"]}, key=int)
-    hard, U = levels[-1], len(finals["global"][0]["val_loss_fixed"])
-    acc = lambda s, mode, k: np.mean([b[mode][k]["acc"] for b in suites[s]])
-    gain = {s: acc(s, f"fixed@{U}", hard) - acc(s, "fixed@1", hard) for s in suites}
-    table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}" for d in range(1, U + 1))
-                                for k in levels)
-    out.append(dict(claim=f"{name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
-                          "k), the precondition of the next claim",
-                    numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} seed(s): "
-                            f"global {table('global')}; local {table('local')}",
-                    holds=min(gain.values()) >= 0.1))
-    rho = {s: mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals[s]])
-           for s in finals}
-    per_k = lambda s, key: " / ".join(f"{np.mean([f[key][k] for f in finals[s] if f[key].get(k) is not None] or [np.nan]):.2f}"
-                                      for k in levels)
-    ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at "
-                                  f"{np.mean([b['ete_ragged@0.5'][k]['answer_depth'] for b in suites[s]]):.2f}" for k in levels)
-    out.append(dict(claim=f"{name}: the answer's exit depth rises with k, more under global than local "
-                          "enforcement",
-                    numbers=f"Spearman(exit depth before an answer, its k): global {num(rho['global'])}, local "
-                            f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
-                            f"{per_k('global', 'span_depth_by_difficulty')}, local {per_k('local', 'span_depth_by_difficulty')}; "
-                            f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
-                    holds=rho["global"][0] > max(rho["local"][0], 0.0)))   # rising at all, and more than local
-    sweep = sweep_numbers(finals, suites, hard)
-    if sweep:
-        out[-1]["numbers"] += "; " + sweep
-    return out
-
-
-def sweep_numbers(finals, suites, hard):
-    """The τ sweep of a pointer pair, where its runs have it: Spearman per τ (seed means), and the
-    ETE-Ragged accuracy at its answer depth on the largest k per τ. "" when a run lacks it."""
-    thrs = [str(t) for t in THRS]
-    runs = [f for s in finals for f in finals[s]]
-    if not runs or not all("difficulty_spearman_by_thr" in f for f in runs) or \
-            not all(f"ete_ragged@{t}" in b for s in suites for b in suites[s] for t in thrs):
-        return ""
-    rho = lambda s, t: np.mean([f["difficulty_spearman_by_thr"][t] or 0.0 for f in finals[s]])
-    at = lambda s, t, key: np.mean([b[f"ete_ragged@{t}"][hard][key] for b in suites[s]])
-    part = lambda s: ", ".join(f"τ {t}: ρ {rho(s, t):.3f}, k={hard} {at(s, t, 'acc'):.2f} at {at(s, t, 'answer_depth'):.2f}"
-                               for t in sorted(thrs, key=float))
-    return f"τ sweep (Spearman; ETE-Ragged accuracy at answer depth): global {part('global')}; local {part('local')}"
-
-
-def parent_gap(R, r):
-    p = R.get(r.get("parent"), {}).get("final")
-    return f"{p['val_loss_ragged']['0.5']:.4f} vs {p['val_loss_fixed'][-1]:.4f}" if p else "n/a"
-
-
-def pct(ms):
-    m, (lo, hi) = ms
-    return f"{100 * m:.1f}% ({100 * lo:.1f}–{100 * hi:.1f}%)" if hi > lo else f"{100 * m:.1f}%"
-
-
-def num(ms):
-    m, (lo, hi) = ms
-    return f"{m:.3f} ({lo:.3f}–{hi:.3f})" if hi > lo else f"{m:.3f}"
 
 
 # ----------------------------------------------------------------------------- RESULTS.md
@@ -398,7 +277,9 @@ def write_results(results, c, size, seeds, figures):
              "ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged at τ = 0.5.", "",
              "## The paper's claims, checked", "", "| claim | numbers | holds here |", "|---|---|---|"]
     for cl in claims(results, seeds):
-        lines.append(f"| {cl['claim']} | {cl['numbers']} | {'yes' if cl['holds'] else '**no**'} |")
+        verdict = {True: "yes", False: "**no**"}.get(cl["holds"]) or cl["verdict"]
+        lines.append(f"| {cl['claim']} | {cl['numbers']} | {verdict} |")
+    lines += [""] + graded_tables({r["name"]: r for r in results})
     notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
     if size == "full" and os.path.isfile(notes):   # the interpretation, written by a person after reading the runs
         with open(notes) as f:
@@ -431,7 +312,8 @@ def draw(results, out, seeds):
     tasks = [[(R.get(f"{prefix}-{s}-poisson-s{s0}"), s) for s in ("local", "global")] for prefix, _ in POINTER_TASKS.values()]
     made = []
     for figure, runs in ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
-                         + [(figure_trace, task) for task in tasks] + [(figure_curves, pair), (figure_difficulty, pair)]):
+                         + [(figure_trace, task) for task in tasks] + [(figure_curves, pair), (figure_difficulty, pair),
+                                                                       (figure_graded, pair)]):
         drawn = figure(plt, R, runs, s0)
         if drawn:
             fig, name, caption = drawn
@@ -496,22 +378,62 @@ def figure_trace(plt, R, pair, s0):
 
 
 def figure_curves(plt, R, pair, s0):
-    """Figure 5 (and 7): training curves."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    for r, s in pair + [(R.get("syn-global-poisson-flatbeta"), "global, flat β=0.1")]:
+    """Figure 5 (and 7): training curves, the ragged-aware branch and its dense control after the
+    global parent, and the loss gain of loops 2..U over loop 1 (what a collapse to depth 1 removes)."""
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
+    runs = pair + [(R.get("syn-global-poisson-flatbeta"), "global, flat β=0.1")]
+    for r, s in runs:
         if not r:
             continue
         col = COLORS.get(s, "tab:orange")
-        toks = [p["tokens"] for p in r["curve"]]
         late = r["curve"][1:]   # the untrained model's loss would flatten everything after it
-        a1.plot(toks[1:], [p["val_loss_fixed"][-1] for p in late], "--", color=col, label=f"{s}: fixed@U")
-        a1.plot(toks[1:], [p["val_loss_ragged"]["0.5"] for p in late], "-", color=col, label=f"{s}: ragged@0.5")
-        a2.plot(toks, [p["avg_exit_depth"] for p in r["curve"]], "-", color=col, label=s)
-    a1.set(xlabel="tokens", ylabel="val loss (after the first eval)", yscale="log")
+        toks = [p["tokens"] for p in late]
+        a1.plot(toks, [p["val_loss_fixed"][-1] for p in late], "--", color=col, label=f"{s}: fixed@U")
+        a1.plot(toks, [p["val_loss_ragged"]["0.5"] for p in late], "-", color=col, label=f"{s}: ragged@0.5")
+        a2.plot([p["tokens"] for p in r["curve"]], [p["avg_exit_depth"] for p in r["curve"]], "-", color=col, label=s)
+        a3.plot(toks, [p["val_loss_fixed"][0] - min(p["val_loss_fixed"][1:]) for p in late], "-", color=col, label=s)
+    parent = R.get(f"syn-global-poisson-s{s0}")
+    for name, style, label in (("ra-direct", "-", "global + RA direct"), ("cont-dense", ":", "global, dense continuation")):
+        r = R.get(f"syn-global-poisson-{name}")
+        if r and parent:      # a branch's tokens count from its parent's end
+            start = parent["curve"][-1]["tokens"]
+            a1.plot([start + p["tokens"] for p in r["curve"]], [p["val_loss_ragged"]["0.5"] for p in r["curve"]], style,
+                    color="tab:green", label=f"{label}: ragged@0.5")
+    a1.set(xlabel="tokens", ylabel="val loss (nats/token, from the second eval)")
     a2.set(xlabel="tokens", ylabel="average exit depth (τ = 0.5)")
-    a1.legend(fontsize=7)
-    a2.legend(fontsize=7)
-    return fig, "training_curves.png", "Training curves: loss and average exit depth, Poisson prior, and a flat β (Figures 5, 7)"
+    a3.set(xlabel="tokens", ylabel="loss gain of loops 2..U over loop 1")
+    for ax in (a1, a2, a3):
+        ax.legend(fontsize=7)
+    return fig, "training_curves.png", ("Training curves, Poisson prior: loss, average exit depth, and what loops "
+                                        "2..U gain over loop 1, with a flat β and the ragged-aware branch (Figures 5, 7)")
+
+
+def figure_graded(plt, R, pair, s0):
+    """The graded task: the answer's exit depth and the accuracy at the exit per k, local against
+    global at each τ (seed means; bars: 95% intervals over seeds and items), fixed@k's accuracy beside."""
+    runs = {s: [r["builtin"] for r in graded_runs(R, s)] for s in ("local", "global")}
+    if not all(runs.values()):
+        return None
+    levels = sorted(int(k) for k in runs["global"][0]["fixed@1"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for s, suites in runs.items():
+        for j, t in enumerate(sorted(THRS)):
+            for ax, key in ((a1, "answer_depth"), (a2, "correct")):
+                points = [replicates([(rollouts(b, f"ete_ragged@{t}", k, key),) for b in suites], n=500)
+                          for k in levels]
+                mid = [p for p, _ in points]
+                err = np.abs(np.array([np.percentile(r, [2.5, 97.5]) for _, r in points]).T - mid)
+                ax.errorbar(np.array(levels) + (j - 1.5) * 0.06 + (0.25 if s == "global" else 0), mid, yerr=err,
+                            fmt="o-" if s == "global" else "s--", color=COLORS[s], alpha=0.4 + 0.15 * j, ms=3,
+                            label=f"{s} τ {t}")
+    fixed = [np.mean([rollouts(b, f"fixed@{k}", k, "correct").mean() for s in runs for b in runs[s]]) for k in levels]
+    a2.plot(levels, fixed, "k^:", label="fixed@k on k look-ups")
+    a1.plot(levels, levels, "k:", label="depth = k")
+    a1.set(xlabel="k (look-ups the queried chain needs)", ylabel="exit depth at the answer", xticks=levels)
+    a2.set(xlabel="k", ylabel="accuracy at the exit", xticks=levels, ylim=(0, 1.05))
+    a1.legend(fontsize=6, ncol=2)
+    a2.legend(fontsize=6, ncol=2)
+    return fig, "graded_by_k.png", "The graded task: answer depth and accuracy per hidden k, local vs global, per τ"
 
 
 def figure_difficulty(plt, R, pair, s0):
@@ -549,7 +471,7 @@ def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     if c["quick"] == c["full"]:
         raise UserError("give --quick (a smoke test of the grid) or --full (the real figures)")
-    size = "quick" if c["quick"] else "full"
+    size = size_of(c)
     c["out"] = c["out"] or ("results" if size == "full" else "results-quick")
     check_writable(c["out"], "out")
     if c["input"] and not os.path.isfile(c["input"]):
@@ -567,12 +489,17 @@ def main(argv):
     check_size(c["out"], size)
     os.makedirs(c["out"], exist_ok=True)
     write_json(os.path.join(c["out"], "grid.json"), {"size": size})
-    prepare(c, size, os.path.join(c["out"], "data"))
-    results, done = [], set()
-    for name in order:
-        if name not in done:
-            results.append(run_one(name, runs[name], c, size, runs))
-            done.add(name)
+    if not c["report"]:
+        prepare(c, size, os.path.join(c["out"], "data"))
+    for name in dict.fromkeys(order):
+        if not c["report"] or os.path.isfile(os.path.join(c["out"], name, "result.json")):
+            run_one(name, runs[name], c, size, runs)
+    results = []                  # the report covers every finished run of the grid, not only these
+    for name in runs:
+        path = os.path.join(c["out"], name, "result.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                results.append(json.load(f))
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
     write_results(results, c, size, seeds, figures)

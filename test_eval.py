@@ -225,11 +225,13 @@ def test_standard_benchmark_rows_convert_to_the_task_schema():
     assert ev.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
 
 
-@pytest.mark.parametrize("kind", ["pointer", "hops"])
+@pytest.mark.parametrize("kind", ["pointer", "hops", "graded"])
 def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
-    """--builtin pointer / hops: per_level items at each difficulty 1..4; the answer is what following
-    the queried chain finds, in as many look-ups as the difficulty says, all after the last fact. In
-    hops every fact is one token of the dataset's vocabulary."""
+    """--builtin pointer / hops / graded: per_level items at each difficulty 1..4; the answer is what
+    following the queried chain finds, in as many look-ups as the difficulty says, all after the last
+    fact. In hops and graded every fact is one token of the dataset's vocabulary; in graded every item
+    holds one chain of each length 1..4, so its look (how many facts, how many of them digits) is the
+    same at every difficulty."""
     items = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())))
     encode, _ = load_tokenizer(pieces_meta(prepare_data.HOP_PIECES))
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
@@ -237,7 +239,11 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
         facts, query = it["prompt"].strip("\n").split(" ; ")
         assert len(query) == 1 and query.isupper()   # the first query, written like a fact, its value to come
         assert chase(facts.split(), query) == (it["answer"], it["difficulty"]) and it["kind"] == kind
-        if kind == "hops":                            # "\n", a token per fact, ";", " D"
+        if kind != "pointer":                         # "\n", a token per fact, ";", " D"
             assert len(encode(it["prompt"])) == len(facts.split()) + 3 and len(encode(it["answer"])) == 1
+        if kind == "graded":
+            heads = {f[0].upper() for f in facts.split()} - {f[1].upper() for f in facts.split()}
+            assert sorted(chase(facts.split(), h)[1] for h in heads) == [1, 2, 3, 4]
+            assert len(facts.split()) == 10 and sum(f[1].isdigit() for f in facts.split()) == 4
     two = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())), max_k=2)   # --builtin_max_k=2: levels 1, 2
     assert sorted(it["difficulty"] for it in two) == [1] * 5 + [2] * 5

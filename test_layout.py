@@ -8,7 +8,8 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server", "slot_engine", "slot_pass"}
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server",
+           "slot_engine", "slot_pass", "claims"}
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "reproduce", "prepare_data", "export_ouro"}
 
 

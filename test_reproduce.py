@@ -4,8 +4,11 @@ import functools
 import json
 import os
 
+import numpy as np
 import pytest
+import torch
 
+import claims
 import prepare_data
 import reproduce
 
@@ -37,7 +40,7 @@ def hand_made():
 
 def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0), data="pointer"):
     """A look-up-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
-    prefix = reproduce.POINTER_TASKS[data][0]
+    prefix = claims.POINTER_TASKS[data][0]
     r = fake_run(f"{prefix}-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
     r["data"] = data
     r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
@@ -63,8 +66,8 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     make = functools.partial(fake_pointer, data=data)
     results = [make("local", 1, 0.1, helps), make("local", 2, 0.2, helps),
                make("global", 1, 0.5, helps), make("global", 2, None, helps)]
-    depth, exits = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])
-    task = reproduce.POINTER_TASKS[data][1]                          # each task's claims under its own name
+    depth, exits = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])
+    task = claims.POINTER_TASKS[data][1]                          # each task's claims under its own name
     assert depth["claim"].startswith(f"{task}, Poisson: depth buys") and exits["claim"].startswith(f"{task}, Poisson")
     assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"] and "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
     # Spearman undefined (None) counts as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
@@ -72,42 +75,129 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     assert "global 1.75 / 2.00 / 2.25 / 2.50" in exits["numbers"] and "0.50 at 2.50 / 0.50 at 3.00" in exits["numbers"]
     results[2]["builtin"]["fixed@4"]["4"]["acc"] = 0.35          # one scope where depth does not buy accuracy at k = 4
     results[3]["builtin"]["fixed@4"]["4"]["acc"] = 0.35
-    assert not reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[0]["holds"]
+    assert not claims.pointer_claims({r["name"]: r for r in results}, [1, 2])[0]["holds"]
     assert "τ sweep" not in exits["numbers"]                        # runs without it: no sweep numbers
     sweep = {0.5: 0.5, 0.2: 0.1, 0.3: None, 0.7: 0.3}
     results = [with_sweep(r, sweep) for r in results]
-    numbers = reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2])[1]["numbers"]
+    numbers = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])[1]["numbers"]
     assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
     results = [make(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
-    assert not any(c["holds"] for c in reproduce.pointer_claims({r["name"]: r for r in results}, [1, 2]))
-    assert reproduce.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
+    assert not any(c["holds"] for c in claims.pointer_claims({r["name"]: r for r in results}, [1, 2]))
+    assert claims.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
 
 
-def test_fixed_frontier_interpolates_between_whole_depths():
-    assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 2.5) == 2.5
-    assert reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0 and reproduce.fixed_frontier([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
+def test_fixed_envelope_is_the_lower_envelope_of_the_fixed_depths():
+    assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 2.5) == 2.5            # a mix of depths 2 and 3
+    assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0 and claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
+    assert claims.fixed_envelope([3.0, 2.0, 2.5, 2.8], 3.5) == 2.0            # a U-shaped curve: fixed@2 stays available
+    assert abs(claims.fixed_envelope([4.0, 3.9, 3.8, 1.0], 2.0) - 3.0) < 1e-12  # a mix of depths 1 and 4 beats 2 alone
+
+
+def test_bootstrap_intervals_cover_the_mean_as_theory_says():
+    """replicates: fresh normal samples; the interval of a mean is ±1.96 σ/√n (within 15%), a paired
+    difference of strongly correlated arrays is much narrower than an unpaired one, and the seed
+    level widens the interval when the seeds disagree."""
+    g = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    x = g.normal(0.0, 1.0, 400)
+    value, reps = claims.replicates([(x,)])
+    lo, hi = claims.interval(reps)
+    assert value == x.mean() and abs((hi - lo) / 2 / (1.96 * x.std() / 20) - 1) < 0.15
+    y = x + g.normal(0.1, 0.05, 400)
+    paired = claims.interval(claims.replicates([(y, x)], np.subtract)[1])
+    unpaired = claims.interval(claims.replicates([(y, x)], np.subtract, paired=False)[1])
+    assert paired[0] > 0 and paired[1] - paired[0] < 0.2 * (unpaired[1] - unpaired[0])
+    same = claims.interval(claims.replicates([(x[:200],), (x[200:],)])[1])
+    apart = claims.interval(claims.replicates([(x[:200] - 1,), (x[200:] + 1,)])[1])
+    assert apart[1] - apart[0] > 3 * (same[1] - same[0])
+
+
+def windows(fixed, ragged, depth, seed, n=160, noise=0.05):
+    """A run's per-window losses whose means are exactly the given ones: a window's own difficulty
+    (shared by every depth, and by every run of the same seed) plus noise of its own."""
+    g = np.random.default_rng(seed)
+    own = lambda: (lambda e: e - e.mean())(g.normal(0, 0.01, n))
+    shared = own() * noise / 0.01
+    columns = [f + shared + own() for f in fixed]
+    return {"fixed": [list(row) for row in zip(*columns)],
+            "ragged": {str(t): list(ragged + shared + own()) for t in claims.THRS},
+            "depth": {str(t): list(np.full(n, depth)) for t in claims.THRS}}
 
 
 def test_claims_are_computed_from_the_numbers():
-    cl = {c["claim"][:20]: c for c in reproduce.claims(hand_made(), [1, 2])}
+    cl = {c["claim"][:20]: c for c in claims.claims(hand_made(), [1, 2])}
     jumps = next(c for c in cl.values() if "large jumps" in c["claim"])
-    assert jumps["holds"] and "global 20.0% (19.0–21.0%)" in jumps["numbers"] and "local 0.3% (0.2–0.4%)" in jumps["numbers"]
-    ra = next(c for c in cl.values() if "direct" in c["claim"])
-    assert ra["holds"] and "ragged@0.5 1.5000 vs fixed@U 1.6500" in ra["numbers"]
+    assert jumps["holds"] and "synthetic: global 20.0% (19.0–21.0%), local 0.3% (0.2–0.4%) (+19.7 points)" in jumps["numbers"]
+    ra = next(c for c in cl.values() if "direct" in c["claim"])          # no dense continuation to compare with
+    assert ra["holds"] is None and ra["verdict"] == "untested" and "ragged@0.5 1.5000 (fixed@U 1.6500" in ra["numbers"]
     flat = next(c for c in cl.values() if "flat" in c["claim"])
     assert flat["holds"] and "loss gain of loops 2..U over loop 1: 0.0200 vs 0.3500" in flat["numbers"]
     assert "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
-    frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])
-    assert "of 20 (run, τ) points" in frontier["numbers"]   # 5 base runs x 4 thresholds; branches and flat β apart
+    frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])   # no windows: points only, no verdict
+    assert frontier["holds"] is None and "synthetic: 20 point below" in frontier["numbers"]   # 5 base runs x 4 τ
     rho = next(c for c in cl.values() if "difficulty" in c["claim"])
     assert rho["holds"] and "global 0.325 (0.300–0.350)" in rho["numbers"] and "local 0.060" in rho["numbers"]
     assert "global 1.50 / 2.00 / 2.50 / 3.00" in rho["numbers"]
     # and a claim that does not hold says so
     worse = hand_made()
     worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
-    assert not next(c for c in reproduce.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"]
+    assert next(c for c in claims.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"] is False
     worse[5]["final"]["val_loss_fixed"] = [2.0, 1.7, 1.6, 1.6]        # loops 2..U gain 0.4: no collapse
-    assert not next(c for c in reproduce.claims(worse, [1, 2]) if "flat" in c["claim"])["holds"]
+    flat = next(c for c in claims.claims(worse, [1, 2]) if "flat" in c["claim"])
+    assert flat["holds"] is None and flat["verdict"] == "not reproduced at this scale"
+
+
+def test_verdicts_with_windows_follow_their_intervals():
+    """With per-window losses: the frontier counts points clearly below / within noise / above the
+    fixed envelope, and RA is judged against its dense continuation on the same windows."""
+    seed = int(torch.randint(0, 2**31, ()))
+    runs = hand_made()[:4]
+    fixed = (2.0, 1.8, 1.7, 1.65)
+    for r, ragged in zip(runs, (1.6, 1.8, 1.9, 1.6)):     # at depth 2.0 the envelope is fixed@2's 1.8
+        r["windows"] = windows(fixed, ragged, 2.0, seed)
+    got = claims.frontier_claim(runs)
+    assert "synthetic: 8 below, 4 within noise, 4 above" in got["numbers"] and got["holds"] is False
+    parent = runs[2]
+    ra = fake_run("syn-global-poisson-ra-direct", ra="direct", parent=parent["name"], windows=windows(fixed, 1.55, 2.0, seed))
+    for control_loss, holds in ((1.6, True), (1.55, False)):
+        control = fake_run("syn-global-poisson-cont-dense", parent=parent["name"], windows=windows(fixed, control_loss, 2.0, seed))
+        [claim] = claims.ra_claims({r["name"]: r for r in (parent, ra, control)})
+        assert claim["holds"] is holds and "RA minus dense: " in claim["numbers"], claim
+
+
+def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
+    """A graded-task run whose builtin suite holds rollouts: answer depth depth_of_k(k) (rounded at
+    random), right with probability acc_of_k(mode, k); fixed@d right on k look-ups when d >= k."""
+    r = fake_run(f"grd-{scope}-poisson-s{seed}", scope, seed=seed)
+    r["data"] = "graded"
+    suite = {}
+    for mode in [f"fixed@{d}" for d in range(1, 5)] + [f"ete_ragged@{t}" for t in claims.THRS]:
+        suite[mode] = {}
+        for k in range(1, 5):
+            d = (np.full(items, int(mode[6:])) if mode.startswith("fixed") else
+                 np.clip(np.round(depth_of_k(k) + g.normal(0, 0.4, items)), 1, 4)).astype(int)
+            right = (g.random(items) < (0.95 if d[0] >= k else 0.1)) if mode.startswith("fixed") else g.random(items) < acc_of_k(k)
+            suite[mode][str(k)] = {"items": items, "acc": float(right.mean()), "answer_depth": float(d.mean()),
+                                   "rollouts": {"correct": right.astype(int).tolist(), "answer_depth": d.tolist(),
+                                                "sum_exits": (d + 20).tolist()}}
+    r["builtin"] = suite
+    return r
+
+
+def test_graded_claims_and_tables_from_rollouts():
+    g = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    rising = [fake_graded("global", s, lambda k: k, lambda k: 0.9, g) for s in range(5)]
+    flat = [fake_graded("local", s, lambda k: 2.0, lambda k: 0.6, g) for s in range(5)]
+    R = {r["name"]: r for r in rising + flat}
+    need, rise = claims.graded_claims(R)
+    assert need["holds"] and "k=4: fixed@4 minus fixed@3" in need["numbers"]
+    assert rise["holds"] and "global minus local" in rise["numbers"]
+    lines = claims.graded_tables(R)
+    per_k = [l for l in lines if l.count("|") == 8]                 # model, mode, k and four values
+    assert len([l for l in per_k if l.startswith("| global | ete_ragged@")]) == 16            # 4 τ x 4 k
+    assert len([l for l in lines if l.startswith("| local | fixed@")]) == 4                  # accuracy against compute
+    R = {r["name"]: r for r in [fake_graded("global", s, lambda k: 2.0, lambda k: 0.9, g) for s in range(5)] + flat}
+    assert not claims.graded_claims(R)[1]["holds"]                   # flat under both: no rise
+    assert claims.graded_claims({}) == [] and claims.graded_tables({}) == []
 
 
 def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
@@ -129,12 +219,14 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 35
+    assert len(results) == 41 and all(len(r["windows"]["fixed"]) == 32 for r in results)
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop")) == 35
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 41
+    assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
+    assert "Graded task (hidden k): the answer's exit depth rises with k" in text and "RA minus dense: " in text
     for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "exit_trace_hops.png",
-              "training_curves.png", "depth_by_difficulty.png"):
+              "training_curves.png", "depth_by_difficulty.png", "graded_by_k.png", "exit_trace_graded.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
     assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"ete_ragged@{t}" for t in reproduce.THRS}
@@ -148,9 +240,20 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     assert hop["final"]["depth_by_difficulty"]["2"] is not None and hop["final"]["depth_by_difficulty"]["3"] is None
     assert all(set(b) == {"1", "2"} for b in hop["builtin"].values()) and hop["max_k"] == 2   # hops: k = 1, 2
     branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
-    assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 10
+    assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 6
+    graded = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
+    assert graded["parent"] == "grd-global-poisson-s1337" and graded["max_k"] == 4 and graded["ra"] == "direct"
+    assert len(graded["builtin"]["ete_ragged@0.5"]["3"]["rollouts"]["correct"]) == 2     # 2 items per k
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
     reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
+    assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
+    del graded["windows"]                                       # a result from before windows: its checkpoint gives them
+    with open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json"), "w") as f:
+        json.dump(graded, f)
+    os.remove(os.path.join(out, "RESULTS.md"))
+    reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
+    assert len(json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))["windows"]["fixed"]) == 32
+    assert os.path.isfile(os.path.join(out, "RESULTS.md"))
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     with pytest.raises(Exception, match="--only"):
         reproduce.main(["--quick", f"--out={out}", "--only=nope"])

@@ -242,6 +242,38 @@ def test_hops_items_are_pointer_items_with_one_token_per_fact(tmp_path):
     assert decode(train_ids + ids) == prepare_data.synthetic_text(20000, seed, "hops", filler=False, encode=encode)[0]
 
 
+def test_graded_items_hide_their_difficulty_and_label_both_answers(tmp_path):
+    """prepare_data --dataset=graded, read back from its files: every item holds four chains of the
+    lengths 1..4 (ten one-token facts, four of them digits, forward references), then two queries of
+    different heads, each answered by what brute force finds and labelled with its chain's length;
+    the span labels carry the item's largest label. Nothing but items."""
+    seed = int(torch.randint(0, 1000, ()))
+    out = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="graded", data_dir=str(tmp_path), size=20000,
+                                    val_fraction=0.5, seed=seed))
+    encode, decode = load_tokenizer(json.load(open(os.path.join(out, "meta.json"))))
+    ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
+    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist() for f in ("val_labels.bin", "val_item_labels.bin"))
+    newline, seen = encode("\n")[0], []
+    ends = [i for i, t in enumerate(ids) if t == newline]
+    for start, end in zip(ends, ends[1:]):
+        toks = [decode([t]) for t in ids[start + 1:end]]
+        facts, rest = toks[:toks.index(";")], toks[toks.index(";") + 1:]
+        defined = [f[0].upper() for f in facts]
+        assert len(facts) == 10 and len(set(defined)) == 10 and sum(f[1].isdigit() for f in facts) == 4, toks
+        assert all(f[1].isdigit() or f[1].upper() in defined[i + 1:] for i, f in enumerate(facts)), toks
+        heads = set(defined) - {f[1].upper() for f in facts}
+        assert sorted(chase([f[:2] for f in facts], h)[1] for h in heads) == [1, 2, 3, 4]
+        queries = [q.strip() for q in rest[0::2]]
+        assert len(rest) == 4 and len(set(queries)) == 2 and set(queries) <= heads
+        ks = [chase([f[:2] for f in facts], q) for q in queries]
+        assert [a for a, _ in ks] == rest[1::2], toks
+        answers = [start + 1 + len(facts) + 2, start + 1 + len(facts) + 4]
+        assert labels[start + 1:end] == [dict(zip(answers, [k for _, k in ks])).get(i, 0) for i in range(start + 1, end)]
+        assert spans[start + 1:end] == [max(k for _, k in ks)] * (end - start - 1)
+        seen += [k for _, k in ks]
+    assert set(seen) == {1, 2, 3, 4} and len(ends) > 50
+
+
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     t1, l1, _ = prepare_data.synthetic_text(20000, seed=3)
     t2, l2, _ = prepare_data.synthetic_text(20000, seed=3)
