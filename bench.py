@@ -39,6 +39,7 @@ from checkpoint import export_ouro, load_checkpoint
 from configurator import SEED_RULE, UserError, device_rule, parse, resolve_device, run_cli
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, generate
+from objectives import Objective, exit_prior, n_uniforms, train_step
 from request import Request
 from bench_gpu import bench_gpu, ouro_way
 from serve_depthbatch import HEADS, Engine, weight_bytes
@@ -197,15 +198,13 @@ def bench_train(c):
     the alternating objectives count one dense and one ragged step), interleaved, as a ratio to
     dense; and the cost of the step-scope global KL (one extra forward without gradient per
     micro-batch) against the per-micro-batch KL, both with 2 micro-batches per step."""
-    import train
     from contextlib import nullcontext
-    from types import SimpleNamespace
     torch.manual_seed(c["seed"])
     cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=2, n_head=4, n_kv_head=4, n_embd=256,
                     ffn_hidden=704)
     model = LoopedLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prior = train.exit_prior("poisson", cfg.n_loops)
+    prior = exit_prior("poisson", cfg.n_loops)
     B, T, U = c["batch_size"], c["block_size"], cfg.n_loops
     g = torch.Generator().manual_seed(c["seed"])
     x = torch.randint(0, 256, (B, T), generator=g)
@@ -218,12 +217,12 @@ def bench_train(c):
                 "dense_2micro_kl_step": dict(kl_scope="step", micro=2)}
 
     def run(v):
-        tc = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, **{k: w for k, w in v.items() if k != "micro"}))
+        obj = Objective(global_kl=True, **{k: w for k, w in v.items() if k != "micro"})
         n = v.get("micro", 1)
         for it in range(2 * c["steps"]):  # even and odd steps alike: a pair covers dense + ragged
-            u = torch.rand(train.n_uniforms(tc), B, T, U, generator=g)
+            u = torch.rand(n_uniforms(obj), B, T, U, generator=g)
             parts = [(x[i::n], y[i::n], u[:, i::n]) for i in range(n)]
-            train.train_step(model, parts, it, prior, tc, 0.01, nullcontext(), n, 1)
+            train_step(model, parts, it, prior, obj, 0.01, nullcontext(), n, 1)
             opt.step()
             opt.zero_grad(set_to_none=True)
     for v in variants.values():

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import objectives
 import prepare_data
 import train
 from conftest import TINY, random_model, read_log
 from model import attention, exit_log_pdf, forward_ragged
-from train import forward_counterfactual
+from objectives import forward_counterfactual
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -111,13 +112,13 @@ def _check_counterfactual(model):
 def test_reinforce_returns_and_advantages_hand_worked():
     tok = torch.tensor([[[1.0, 2.0, 3.0]]])
     mask = torch.ones(1, 3)
-    G = train.suffix_returns(tok, mask)
+    G = objectives.suffix_returns(tok, mask)
     assert G.tolist() == [[[6.0, 5.0, 3.0]]]
-    assert train.suffix_returns(tok, torch.tensor([[1.0, 0.0, 1.0]])).tolist() == [[[4.0, 3.0, 3.0]]]
-    A = train.reinforce_advantages(G, torch.tensor([[0.5, 0.5, 0.5]]), mask)   # K=1: dense final path
+    assert objectives.suffix_returns(tok, torch.tensor([[1.0, 0.0, 1.0]])).tolist() == [[[4.0, 3.0, 3.0]]]
+    A = objectives.reinforce_advantages(G, torch.tensor([[0.5, 0.5, 0.5]]), mask)   # K=1: dense final path
     assert A.tolist() == [[[4.5, 4.0, 2.5]]]
     G4 = torch.tensor([[[4.0]], [[8.0]], [[0.0]], [[4.0]]], dtype=torch.float64)                    # K=4: leave one out
-    assert torch.allclose(train.reinforce_advantages(G4, None, None).flatten(),
+    assert torch.allclose(objectives.reinforce_advantages(G4, None, None).flatten(),
                           torch.tensor([0.0, 16 / 3, -16 / 3, 0.0], dtype=torch.float64))
 
 
@@ -177,7 +178,7 @@ def test_eval_metrics_against_brute_force(data_dir):
     model = random_model(3, vocab_size=44, block_size=16).float()
     val = train.load_split(c, "val")
     labels = np.memmap(os.path.join(data_dir, "synthetic", "val_labels.bin"), dtype=np.uint8, mode="r")
-    prior = train.exit_prior("uniform", 4)
+    prior = objectives.exit_prior("uniform", 4)
     m = train.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
     g = torch.Generator().manual_seed(c.seed + 1)
     exits, labs, at_03 = [], [], []
@@ -253,12 +254,10 @@ def _grads(model):
 
 
 def _kl_setup(seed, scope="step"):
-    from types import SimpleNamespace
     model = random_model(seed).train()                        # float64
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randint(0, 37, (4, 12), generator=g), torch.randint(0, 37, (4, 12), generator=g)
-    c = SimpleNamespace(**dict(train.DEFAULTS, global_kl=True, kl_scope=scope))
-    return model, x, y, c, train.exit_prior("poisson", 4)
+    return model, x, y, objectives.Objective(global_kl=True, kl_scope=scope), objectives.exit_prior("poisson", 4)
 
 
 def _two_process_worker(rank, seed, init_file, out):
@@ -267,7 +266,7 @@ def _two_process_worker(rank, seed, init_file, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     model, x, y, c, prior = _kl_setup(seed)
     mine = slice(2 * rank, 2 * rank + 2)
-    loss, _, kl_step = train.train_step(model, [(x[mine], y[mine], None)], 0, prior, c, 0.3, nullcontext(), 2, 2)
+    loss, _, kl_step = objectives.train_step(model, [(x[mine], y[mine], None)], 0, prior, c, 0.3, nullcontext(), 2, 2)
     if rank == 0:
         torch.save({"grad": _grads(model), "loss": loss, "kl": kl_step}, out)
     dist.barrier()
@@ -281,14 +280,14 @@ def test_step_scope_global_kl_gradient_equals_single_batch_eq10(tmp_path):
     seed = int(torch.randint(0, 10_000, ()))
     model, x, y, c, prior = _kl_setup(seed)
     out = model(x, y)
-    loss, _, reg, pi = train.dense_loss(out["losses"], out["gate_logits"], prior, True, 0.3)
+    loss, _, reg, pi = objectives.dense_loss(out["losses"], out["gate_logits"], prior, True, 0.3)
     loss.backward()
     ref = _grads(model)
-    assert abs(reg.item() - float(train.kl_global(pi, prior))) < 1e-12
+    assert abs(reg.item() - float(objectives.kl_global(pi, prior))) < 1e-12
     runs = {}
     for scope in ("step", "micro"):
         model, x, y, c, prior = _kl_setup(seed, scope)
-        value, _, kl_step = train.train_step(model, [(x[:2], y[:2], None), (x[2:], y[2:], None)], 0, prior, c, 0.3,
+        value, _, kl_step = objectives.train_step(model, [(x[:2], y[:2], None), (x[2:], y[2:], None)], 0, prior, c, 0.3,
                                              nullcontext(), 2, 1)
         runs[scope] = _grads(model)
         assert abs(kl_step - reg.item()) < 1e-12            # the logged KL is the step's, in both scopes

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import configurator
+import objectives
 import prepare_data
 import sample
 import train
@@ -21,35 +22,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ----------------------------------------------------------------------------- priors and regularizers
 
 def test_priors_match_appendix_b():
-    assert torch.allclose(train.exit_prior("uniform", 4), torch.full((4,), 0.25, dtype=torch.float64))
-    g = train.exit_prior("geometric", 4)
-    p = train.exit_prior("poisson", 4)
+    assert torch.allclose(objectives.exit_prior("uniform", 4), torch.full((4,), 0.25, dtype=torch.float64))
+    g = objectives.exit_prior("geometric", 4)
+    p = objectives.exit_prior("poisson", 4)
     assert torch.allclose(g, torch.tensor([0.395, 0.276, 0.193, 0.135], dtype=torch.float64), atol=6e-4)
     assert torch.allclose(p, torch.tensor([0.315, 0.331, 0.232, 0.122], dtype=torch.float64), atol=6e-4)
     d = torch.arange(1, 5, dtype=torch.float64)
     assert abs(float((g * d).sum()) - 2.07) < 0.01 and abs(float((p * d).sum()) - 2.16) < 0.01
     with pytest.raises(UserError):
-        train.exit_prior("zipf", 4)
+        objectives.exit_prior("zipf", 4)
 
 
 def test_local_and_global_kl_hand_computed():
     pi = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
     prior = torch.full((4,), 0.25, dtype=torch.float64)
     # local: each one-hot token is log(1/0.25) = log 4 away from uniform
-    assert abs(float(train.kl_local(pi, prior)) - np.log(4)) < 1e-12
+    assert abs(float(objectives.kl_local(pi, prior)) - np.log(4)) < 1e-12
     # global: the mean [0.5, 0, 0, 0.5] is 0.5 log 2 + 0.5 log 2 = log 2 away
-    assert abs(float(train.kl_global(pi, prior)) - np.log(2)) < 1e-12
+    assert abs(float(objectives.kl_global(pi, prior)) - np.log(2)) < 1e-12
     # a batch that matches the prior on average: global 0, local still log 4
     four = torch.eye(4, dtype=torch.float64)
-    assert abs(float(train.kl_global(four, prior))) < 1e-12
-    assert abs(float(train.kl_local(four, prior)) - np.log(4)) < 1e-12
+    assert abs(float(objectives.kl_global(four, prior))) < 1e-12
+    assert abs(float(objectives.kl_local(four, prior)) - np.log(4)) < 1e-12
 
 
 def test_dense_loss_hand_computed():
     gates = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]], dtype=torch.float64)   # λ = 0.5 -> π = [.5, .25, .125, .125]
     losses = torch.tensor([[[4.0, 2.0, 1.0, 1.0]]], dtype=torch.float64)
     prior = torch.full((4,), 0.25, dtype=torch.float64)
-    total, expected, reg, _ = train.dense_loss(losses, gates, prior, global_kl=False, beta=0.1)
+    total, expected, reg, _ = objectives.dense_loss(losses, gates, prior, global_kl=False, beta=0.1)
     assert abs(float(expected) - (2 + 0.5 + 0.125 + 0.125)) < 1e-12
     pi = np.array([.5, .25, .125, .125])
     assert abs(float(reg) - float((pi * np.log(pi / 0.25)).sum())) < 1e-12
@@ -58,9 +59,9 @@ def test_dense_loss_hand_computed():
 
 def test_global_gradient_differs_from_local():
     g = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
-    prior = train.exit_prior("poisson", 4)
+    prior = objectives.exit_prior("poisson", 4)
     grads = []
-    for fn in (train.kl_local, train.kl_global):
+    for fn in (objectives.kl_local, objectives.kl_global):
         (gr,) = torch.autograd.grad(fn(exit_pdf(g), prior), g)
         grads.append(gr)
     assert not torch.allclose(grads[0], grads[1])
@@ -74,12 +75,12 @@ def test_saturated_gates_keep_the_kl_gradient_finite():
     g[:5, 0] = 40.0                      # saturated at depth 1
     g[5:8, :2] = -40.0                   # saturated "stay" then a normal gate
     losses = torch.rand(16, 4) * 3
-    prior = train.exit_prior("poisson", 4)
+    prior = objectives.exit_prior("poisson", 4)
     for global_kl in (False, True):
         grads = []
         for dtype in (torch.float32, torch.float64):
             gd = g.to(dtype).requires_grad_(True)
-            total, _, reg, _ = train.dense_loss(losses.to(dtype), gd, prior, global_kl=global_kl, beta=0.1)
+            total, _, reg, _ = objectives.dense_loss(losses.to(dtype), gd, prior, global_kl=global_kl, beta=0.1)
             (gr,) = torch.autograd.grad(total, gd)
             grads.append((float(reg.detach()), gr))
         (reg32, g32), (reg64, g64) = grads
@@ -114,14 +115,14 @@ def test_a_diverging_run_stops_with_a_clean_error_and_keeps_its_checkpoint(tmp_p
 
 
 def test_beta_schedule_knots():
-    assert train.beta_schedule(0.0) == 0.0
-    assert abs(train.beta_schedule(0.25) - 0.01) < 1e-12
-    assert abs(train.beta_schedule(0.5) - 0.02) < 1e-12
-    assert abs(train.beta_schedule(1.0) - 0.05) < 1e-12
-    assert abs(train.beta_schedule(0.125) - 0.005) < 1e-12   # cosine midpoint of the first segment
-    xs = [train.beta_schedule(i / 100) for i in range(101)]
+    assert objectives.beta_schedule(0.0) == 0.0
+    assert abs(objectives.beta_schedule(0.25) - 0.01) < 1e-12
+    assert abs(objectives.beta_schedule(0.5) - 0.02) < 1e-12
+    assert abs(objectives.beta_schedule(1.0) - 0.05) < 1e-12
+    assert abs(objectives.beta_schedule(0.125) - 0.005) < 1e-12   # cosine midpoint of the first segment
+    xs = [objectives.beta_schedule(i / 100) for i in range(101)]
     assert all(b >= a for a, b in zip(xs, xs[1:]))
-    assert train.beta_schedule(0.3, beta=0.1) == 0.1
+    assert objectives.beta_schedule(0.3, beta=0.1) == 0.1
 
 
 # ----------------------------------------------------------------------------- configurator
