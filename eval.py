@@ -7,13 +7,7 @@ compute-accuracy frontier over fixed depths and Ragged-KV thresholds, offline.
     python eval.py --ckpt CKPT --lm_eval hellaswag,arc_challenge --modes fixed@4,ete_ragged@0.5 --out DIR
     python eval.py --convert gsm8k,bbh --out tasks/         # standard benchmarks as our JSONL (datasets, network)
 
-Task files are JSONL, one item a line:
-    {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
-    {"type": "gen", "prompt": "...", "answer": "...", "cot": "... So the answer is X."}
-Models without a tokenizer take "context_ids" / "choices_ids" / "prompt_ids" (and "answer_ids")
-instead. Optional per item: "description" (the task's preamble, read from the first item),
-"extract" ("answer_is": strict 'the answer is ...', the default; "prefix": the completion starts
-with the answer, for models trained on raw text), "difficulty", "max_tokens".
+Task files are JSONL, one item a line (tasks.py: the schema, the builtin suite, the converters).
 
 Multiple choice: the log-likelihood of each choice's tokens given the context, accuracy and
 length-normalised accuracy, in fixed@k and ETE-Ragged (the continuation scored with the exits it
@@ -28,14 +22,13 @@ import contextlib
 import json
 import math
 import os
-import random
 import re
 import sys
 
 import numpy as np
 import torch
 
-from checkpoint import atomic_write, load_for_script, write_json
+from checkpoint import load_for_script, write_json
 from configurator import DTYPES, SEED_RULE, UserError, check_writable, device_rule, parse, run_cli
 from kernels import IMPLS
 from model import exit_stats, forward_ragged, threshold_exit
@@ -43,6 +36,7 @@ from ragged import pool_pages
 from request import Request
 from serve_depthbatch import HEADS, MODES, scheduler_for
 from slot_engine import ENGINES, engine_for
+from tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -118,177 +112,6 @@ def parse_modes(text, U):
 
 def mode_name(mode, thr, depth):
     return f"fixed@{depth}" if mode == "fixed" else f"{mode}@{thr:g}"
-
-
-# ----------------------------------------------------------------------------- tasks
-
-def load_task(path):
-    if not os.path.isfile(path):
-        raise UserError(f"--task={path}: no such file")
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"--task={path}: line {n} is not JSON ({e.msg})")
-            check_item(item, f"{path}:{n}")
-            items.append(item)
-    if not items:
-        raise UserError(f"--task={path}: no items")
-    return items
-
-
-def check_item(item, where):
-    """One task item, field by field, before any model runs: UserError naming the line and the field."""
-    kind = item.get("type") if isinstance(item, dict) else None
-    text = lambda v: isinstance(v, str)
-    ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                              for t in v)
-    if kind == "mc":
-        texts = "context" in item and "choices" in item
-        by_ids = "context_ids" in item and "choices_ids" in item
-        n = len(item.get("choices") or item.get("choices_ids") or [])
-        answer = item.get("answer")
-        if not (texts or by_ids) or not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < n:
-            raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
-                            f"answer index into the choices (an integer in 0..{n - 1}), not {answer!r}")
-        ok = (text(item["context"]) and isinstance(item["choices"], list) and all(text(c) and c for c in item["choices"])
-              if texts else ids(item["context_ids"]) and isinstance(item["choices_ids"], list)
-              and all(ids(c) for c in item["choices_ids"]))
-        if not ok:
-            raise UserError(f"--task {where}: an mc item's context is a string and its choices non-empty strings (or "
-                            "context_ids / choices_ids: non-empty lists of token ids)")
-    elif kind == "gen":
-        if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
-            raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
-        if not (text(item["prompt"]) if "prompt" in item else ids(item["prompt_ids"])) or not (
-                text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
-            raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or prompt_ids / answer_ids: "
-                            "non-empty lists of token ids)")
-        if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
-            raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
-    else:
-        raise UserError(f"--task {where}: type must be 'mc' or 'gen', not {kind!r}")
-
-
-def builtin_items(kind, per_level, seed, max_k=4):
-    """Held-out generation items from prepare_data's generators (another seed than the training
-    text), difficulty 1..max_k, scored by the completion's first token (the models learn raw text, not a
-    question format). kind "synthetic": k-hop chains and digit sums; "pointer", "hops" and "graded":
-    look-ups that start after the query (the datasets of the same names)."""
-    import prepare_data
-    rng = random.Random(seed + 10_000)
-    makers = list(dict.fromkeys(prepare_data.KINDS[kind]))     # the dataset's item makers, each once
-    items, count = [], {}
-    while len(items) < max_k * len(makers) * per_level:
-        maker = rng.choice(makers)
-        item = maker(rng, max_k)
-        first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
-        prompt, (answer, level) = "".join(piece for piece, _ in item[:first]), item[first]
-        key = (maker.__name__, level)
-        if count.get(key, 0) >= per_level:
-            continue
-        count[key] = count.get(key, 0) + 1
-        items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
-                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
-    return items
-
-
-# ----------------------------------------------------------------------------- standard benchmarks
-
-def mmlu_item(r):
-    letters = "ABCD"
-    text = r["question"].strip() + "\n" + "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(r["choices"])) + "Answer:"
-    return {"type": "mc", "context": text, "choices": [f" {l}" for l in letters[:len(r["choices"])]], "answer": int(r["answer"])}
-
-
-def arc_item(r):
-    return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:", "choices": [f" {t}" for t in r["choices"]["text"]],
-            "answer": r["choices"]["label"].index(r["answerKey"])}
-
-
-def hellaswag_item(r):
-    return {"type": "mc", "context": r["ctx"], "choices": [" " + e for e in r["endings"]], "answer": int(r["label"])}
-
-
-def winogrande_item(r):
-    """The blank filled by each option; the context is the sentence up to the blank."""
-    before, after = r["sentence"].split("_", 1)
-    return {"type": "mc", "context": before.rstrip(), "choices": [f" {r['option1']}{after}", f" {r['option2']}{after}"],
-            "answer": int(r["answer"]) - 1}
-
-
-def gsm8k_item(r):
-    rationale, answer = r["answer"].split("####")
-    rationale = re.sub(r"<<.*?>>", "", rationale).strip().replace("\n", " ")
-    answer = answer.strip().replace(",", "")
-    return {"type": "gen", "prompt": r["question"], "answer": answer, "cot": f"{rationale} So the answer is {answer}."}
-
-
-def bbh_item(r):
-    return {"type": "gen", "prompt": r["input"], "answer": r["target"]}
-
-
-BBH_TASKS = ["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
-             "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
-             "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
-             "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table",
-             "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks",
-             "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects",
-             "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies",
-             "word_sorting"]
-BENCHMARKS = {  # name: (datasets path, configs, split, row -> item in our schema)
-    "mmlu": ("cais/mmlu", ["all"], "test", mmlu_item),
-    "arc_challenge": ("allenai/ai2_arc", ["ARC-Challenge"], "test", arc_item),
-    "hellaswag": ("Rowan/hellaswag", [None], "validation", hellaswag_item),
-    "winogrande": ("allenai/winogrande", ["winogrande_xl"], "validation", winogrande_item),
-    "gsm8k": ("openai/gsm8k", ["main"], "test", gsm8k_item),
-    "bbh": ("lukaemon/bbh", BBH_TASKS, "test", bbh_item),
-}
-
-
-def convert(names, out):
-    """Standard benchmarks through the `datasets` library (network), written as our JSONL tasks."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        raise UserError("--convert needs the optional datasets package (pip install datasets) and the network")
-    for name in names:
-        path, configs, split, to_item = BENCHMARKS[name]
-        for config in configs:
-            try:
-                rows = load_dataset(path, config, split=split)
-            except Exception as e:      # no network, no such dataset: the datasets library's many errors
-                raise UserError(f"--convert={name}: cannot load {path} ({config}) with datasets ({type(e).__name__}: "
-                                f"{str(e)[:120]}); it needs the network")
-            file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
-            write_lines(file, [json.dumps(to_item(r)) for r in rows])
-            print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- prompts (App. D)
-
-def shot_text(item):
-    if item["type"] == "mc":
-        return item["context"] + item["choices"][item["answer"]]
-    answer = item.get("cot") or f"The answer is {item['answer']}."
-    return f"Q: {item['prompt']}\nA: {answer}"
-
-
-def gen_prompt_text(item, shots, chat):
-    """Non-thinking: the task's description, k chain-of-thought exemplars, then the question, no
-    chat template. Thinking (chat): zero-shot, as App. E.1's stored prompt."""
-    desc = item.get("description", "")
-    if chat:
-        return ("Question: " + (desc + "\n\n" if desc else "") + item["prompt"]
-                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is <answer>.")
-    head = (desc + "\n\n" if desc else "") + "".join(shot_text(s) + "\n\n" for s in shots)
-    if item.get("extract") == "prefix":
-        return head + item["prompt"]
-    return head + f"Q: {item['prompt']}\nA:"
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -655,14 +478,6 @@ def draw_frontier(runs, path, U):
 
 
 # ----------------------------------------------------------------------------- main
-
-def write_lines(path, lines):
-    """A text file of lines, written atomically (an interrupted run leaves no half file)."""
-    def write(tmp):
-        with open(tmp, "w") as f:
-            f.writelines(line + "\n" for line in lines)
-    atomic_write(path, write)
-
 
 def merge_repeated(argv, key):
     """--task a --task b -> --task=a,b (the configurator keeps the last of a repeated key)."""

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import eval as ev
+import tasks
 from checkpoint import model_args, save_checkpoint
 from conftest import chase
 from model import GPTConfig, LoopedLM, forward_ragged
-import prepare_data
-from prepare_data import SYNTH_CHARS
+from tasks import SYNTH_CHARS
 from tokenizer import char_meta, load_tokenizer, pieces_meta
 
 
@@ -126,7 +126,7 @@ def test_generation_sweep_writes_results_records_and_plot(tmp_path, ckpt):
         assert abs(r["pass_at"]["1"] - sum(sum(x["correct"]) / 3 for x in mine) / len(mine)) < 1e-12
     assert os.path.getsize(out / "frontier.png") > 1000
     # the few-shot prompt: the description-less exemplar, then the question (App. D)
-    assert ev.gen_prompt_text(gen[1], gen[:1], chat=False) == (
+    assert tasks.gen_prompt_text(gen[1], gen[:1], chat=False) == (
         "Q: x=3 a=x ; a?\nA: a is x, x is 3. So the answer is 3.\n\nQ: sum 1+2=\nA:")
 
 
@@ -214,9 +214,9 @@ def test_standard_benchmark_rows_convert_to_the_task_schema():
         "gsm8k": {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
         "bbh": {"input": "not ( True ) is", "target": "False"},
     }
-    items = {name: ev.BENCHMARKS[name][3](row) for name, row in rows.items()}
+    items = {name: tasks.BENCHMARKS[name][3](row) for name, row in rows.items()}
     for name, item in items.items():
-        ev.check_item(item, name)
+        tasks.check_item(item, name)
     assert items["mmlu"]["choices"] == [" A", " B", " C", " D"] and items["mmlu"]["context"].endswith("D. 6\nAnswer:")
     assert items["arc_challenge"]["answer"] == 1 and items["hellaswag"]["answer"] == 0
     assert items["winogrande"]["context"] == "The cup did not fit in the box because the"
@@ -232,8 +232,8 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
     fact. In hops and graded every fact is one token of the dataset's vocabulary; in graded every item
     holds one chain of each length 1..4, so its look (how many facts, how many of them digits) is the
     same at every difficulty."""
-    items = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())))
-    encode, _ = load_tokenizer(pieces_meta(prepare_data.HOP_PIECES))
+    items = tasks.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())))
+    encode, _ = load_tokenizer(pieces_meta(tasks.HOP_PIECES))
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
     for it in items:
         facts, query = it["prompt"].strip("\n").split(" ; ")
@@ -245,5 +245,5 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
             heads = {f[0].upper() for f in facts.split()} - {f[1].upper() for f in facts.split()}
             assert sorted(chase(facts.split(), h)[1] for h in heads) == [1, 2, 3, 4]
             assert len(facts.split()) == 10 and sum(f[1].isdigit() for f in facts.split()) == 4
-    two = ev.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())), max_k=2)   # --builtin_max_k=2: levels 1, 2
+    two = tasks.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())), max_k=2)   # --builtin_max_k=2: levels 1, 2
     assert sorted(it["difficulty"] for it in two) == [1] * 5 + [2] * 5

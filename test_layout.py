@@ -9,7 +9,7 @@ import re
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server",
-           "objectives",
+           "objectives", "tasks",
            "slot_engine", "slot_pass", "claims"}
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "reproduce", "prepare_data", "export_ouro"}
 

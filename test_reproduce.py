@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import claims
-import prepare_data
 import reproduce
+import tasks
 
 
 def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions=(0.4, 0.3, 0.2, 0.1), rho=0.3,
@@ -235,7 +235,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task, Uniform: depth buys accuracy" in text
     hop = json.load(open(os.path.join(out, "hop-local-uniform-s1337", "result.json")))
     assert set(hop["builtin"]) == set(ptr["builtin"]) and hop["data"] == "hops" and max(hop["trace"]["labels"]) > 0
-    assert "dc " in prepare_data.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(prepare_data.HOP_PIECES)
+    assert "dc " in tasks.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(tasks.HOP_PIECES)
     assert "Hops task (one token a fact), Poisson: the answer's exit depth" in text
     assert hop["final"]["depth_by_difficulty"]["2"] is not None and hop["final"]["depth_by_difficulty"]["3"] is None
     assert all(set(b) == {"1", "2"} for b in hop["builtin"].values()) and hop["max_k"] == 2   # hops: k = 1, 2

@@ -1,0 +1,312 @@
+"""
+Tasks of known difficulty and the task files of evaluation: the synthetic items that prepare_data.py
+writes as datasets and eval.py scores (each labelled with its difficulty k), the JSONL schema of a
+task file and its checks, the builtin suites (held-out items of the generators), the standard
+benchmarks converted to the schema, and the paper's prompt templates (App. D).
+
+Task files are JSONL, one item a line:
+    {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
+    {"type": "gen", "prompt": "...", "answer": "...", "cot": "... So the answer is X."}
+Models without a tokenizer take "context_ids" / "choices_ids" / "prompt_ids" (and "answer_ids")
+instead. Optional per item: "description" (the task's preamble, read from the first item),
+"extract" ("answer_is": strict 'the answer is ...', the default; "prefix": the completion starts
+with the answer, for models trained on raw text), "difficulty", "max_tokens".
+"""
+import json
+import os
+import random
+import re
+import sys
+
+from checkpoint import atomic_write
+from configurator import UserError
+
+SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
+POINTER_CHARS = SYNTH_CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"   # names in capitals where they are defined
+HOP_NAMES = "abcdefghijklmnop"                                # 16: four chains of up to four names
+HOP_PIECES = (["\n", ";"] + [" " + name.upper() for name in HOP_NAMES] + list("0123456789")   # queries, answers,
+              + [name + value + " " for name in HOP_NAMES for value in HOP_NAMES + "0123456789"])   # and one per fact
+
+
+# ----------------------------------------------------------------------------- items of known difficulty
+
+WORDS = dict(
+    det=["the", "a", "my", "one"],
+    adj=["red", "big", "old", "sad", "tiny", "green"],
+    noun=["cat", "dog", "bird", "king", "ship", "tree", "fox"],
+    verb=["sees", "likes", "finds", "eats", "helps", "hears"],
+)
+
+
+# Every maker takes (rng, max_k): the items of difficulty k in 1..max_k (unlabelled ones ignore it).
+
+def _sentence(rng, max_k=4):
+    w = {k: rng.choice(v) for k, v in WORDS.items()}
+    return [(f"{w['det']} {w['adj']} {w['noun']} {w['verb']} the {rng.choice(WORDS['noun'])}.", 0)]
+
+
+def _copy(rng, max_k=4):
+    span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
+    return [(f"copy {span} : {span}.", 0)]
+
+
+def _chain(rng, max_k=4):
+    """k hops: the answer needs k look-ups. One distractor assignment is mixed in."""
+    k = rng.randint(1, max_k)
+    names = rng.sample("abcdefghijklmnopqrstuvwxyz", k + 1)
+    value, other = rng.sample("0123456789", 2)
+    parts = [f"{names[0]}={value}"] + [f"{names[i]}={names[i - 1]}" for i in range(1, k)]
+    parts.insert(rng.randint(0, len(parts)), f"{names[k]}={other}")  # distractor
+    return [(" ".join(parts) + f" ; {names[k - 1]}? ", 0), (value, k)]
+
+
+def _digit_sum(rng, max_k=4):
+    n = rng.randint(1, max_k)
+    terms = [rng.randint(0, 9) for _ in range(n)]
+    return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
+
+
+def _chains(rng, lengths, alphabet):
+    """Chains of the given lengths (head -> ... -> the name that holds a digit) and their facts
+    [(name, value)] in the order written: all the pointers first, the chains interleaved, each head
+    first (so that every fact names a variable defined *later*), then every chain's digit in a
+    random order, so that the answer's place among the digits says nothing. With one length for all
+    chains nothing but following the queried one tells its digit from the others'; with the lengths
+    1..4 in every item (_graded) the item looks the same whichever chain is queried. Returns chains,
+    digits, facts."""
+    names = iter(rng.sample(alphabet, sum(lengths)))
+    chains = [[next(names) for _ in range(k)] for k in lengths]
+    pointers = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] for vs in chains]
+    digits = [rng.choice("0123456789") for _ in chains]
+    values = [(vs[-1], d) for vs, d in zip(chains, digits)]
+    order = [i for i, c in enumerate(pointers) for _ in c]
+    rng.shuffle(order)
+    rng.shuffle(values)
+    return chains, digits, [pointers[i].pop(0) for i in order] + values
+
+
+def _pointer(rng, max_k=4):
+    """k look-ups after the query. Four chains of the same length k (_chains), each fact written as
+    two characters, the name it defines in capitals and its value (`Dc`: D holds c, look up C), then
+    two queries of different chains, each a name in capitals written like a fact, its value to come
+    (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
+    query is a copy of what followed its name before): an induction head."""
+    k, n = rng.randint(1, max_k), 4
+    chains, digits, facts = _chains(rng, [k] * n, "abcdefghijklmnopqrstuvwxyz")
+    item = [(" ".join(name.upper() + value for name, value in facts) + " ;", 0)]
+    for i in rng.sample(range(n), 2):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], k)]
+    return item
+
+
+def _hops(rng, max_k=4):
+    """The pointer items with one token per fact (`dc ` is one token of the `hops` vocabulary, HOP_PIECES):
+    a look-up is then one attention match, the query's name against a fact's, whose value can carry
+    what it holds, so that k look-ups are k attention reads in a row and no induction circuit has to
+    be learned first. Four chains of length k (_chains) over 16 names, then a query of every chain
+    in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the first answer is labelled k: a
+    later one may be told by elimination (the last is the digit no earlier answer took)."""
+    k, n = rng.randint(1, max_k), 4
+    chains, digits, facts = _chains(rng, [k] * n, HOP_NAMES)
+    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
+    for j, i in enumerate(rng.sample(range(n), n)):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 else 0)]
+    return item
+
+
+def _graded(rng, max_k=4):
+    """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of an
+    item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the same
+    kinds, and two queries of different chains, each labelled with its chain's length
+    (`hn nl pg ld ae ei i3 m5 d8 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Which k a query has is
+    known only by following its chain: its head looks like every other head. Two queries of four
+    chains, so that no answer can be told by elimination."""
+    lengths = [1 + i % max_k for i in range(4)]
+    chains, digits, facts = _chains(rng, lengths, HOP_NAMES)
+    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
+    for i in rng.sample(range(4), 2):
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], len(chains[i]))]
+    return item
+
+
+FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
+KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops],
+         "graded": [_graded, _graded]}
+
+
+# ----------------------------------------------------------------------------- task files
+
+def load_task(path):
+    if not os.path.isfile(path):
+        raise UserError(f"--task={path}: no such file")
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--task={path}: line {n} is not JSON ({e.msg})")
+            check_item(item, f"{path}:{n}")
+            items.append(item)
+    if not items:
+        raise UserError(f"--task={path}: no items")
+    return items
+
+
+def check_item(item, where):
+    """One task item, field by field, before any model runs: UserError naming the line and the field."""
+    kind = item.get("type") if isinstance(item, dict) else None
+    text = lambda v: isinstance(v, str)
+    ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                              for t in v)
+    if kind == "mc":
+        texts = "context" in item and "choices" in item
+        by_ids = "context_ids" in item and "choices_ids" in item
+        n = len(item.get("choices") or item.get("choices_ids") or [])
+        answer = item.get("answer")
+        if not (texts or by_ids) or not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < n:
+            raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
+                            f"answer index into the choices (an integer in 0..{n - 1}), not {answer!r}")
+        ok = (text(item["context"]) and isinstance(item["choices"], list) and all(text(c) and c for c in item["choices"])
+              if texts else ids(item["context_ids"]) and isinstance(item["choices_ids"], list)
+              and all(ids(c) for c in item["choices_ids"]))
+        if not ok:
+            raise UserError(f"--task {where}: an mc item's context is a string and its choices non-empty strings (or "
+                            "context_ids / choices_ids: non-empty lists of token ids)")
+    elif kind == "gen":
+        if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
+            raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
+        if not (text(item["prompt"]) if "prompt" in item else ids(item["prompt_ids"])) or not (
+                text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
+            raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or prompt_ids / answer_ids: "
+                            "non-empty lists of token ids)")
+        if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
+            raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
+    else:
+        raise UserError(f"--task {where}: type must be 'mc' or 'gen', not {kind!r}")
+
+
+def builtin_items(kind, per_level, seed, max_k=4):
+    """Held-out generation items from the generators above (another seed than the training
+    text), difficulty 1..max_k, scored by the completion's first token (the models learn raw text, not a
+    question format). kind "synthetic": k-hop chains and digit sums; "pointer", "hops" and "graded":
+    look-ups that start after the query (the datasets of the same names)."""
+    rng = random.Random(seed + 10_000)
+    makers = list(dict.fromkeys(KINDS[kind]))     # the dataset's item makers, each once
+    items, count = [], {}
+    while len(items) < max_k * len(makers) * per_level:
+        maker = rng.choice(makers)
+        item = maker(rng, max_k)
+        first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
+        prompt, (answer, level) = "".join(piece for piece, _ in item[:first]), item[first]
+        key = (maker.__name__, level)
+        if count.get(key, 0) >= per_level:
+            continue
+        count[key] = count.get(key, 0) + 1
+        items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
+                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
+    return items
+
+
+# ----------------------------------------------------------------------------- standard benchmarks
+
+def mmlu_item(r):
+    letters = "ABCD"
+    text = r["question"].strip() + "\n" + "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(r["choices"])) + "Answer:"
+    return {"type": "mc", "context": text, "choices": [f" {l}" for l in letters[:len(r["choices"])]], "answer": int(r["answer"])}
+
+
+def arc_item(r):
+    return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:", "choices": [f" {t}" for t in r["choices"]["text"]],
+            "answer": r["choices"]["label"].index(r["answerKey"])}
+
+
+def hellaswag_item(r):
+    return {"type": "mc", "context": r["ctx"], "choices": [" " + e for e in r["endings"]], "answer": int(r["label"])}
+
+
+def winogrande_item(r):
+    """The blank filled by each option; the context is the sentence up to the blank."""
+    before, after = r["sentence"].split("_", 1)
+    return {"type": "mc", "context": before.rstrip(), "choices": [f" {r['option1']}{after}", f" {r['option2']}{after}"],
+            "answer": int(r["answer"]) - 1}
+
+
+def gsm8k_item(r):
+    rationale, answer = r["answer"].split("####")
+    rationale = re.sub(r"<<.*?>>", "", rationale).strip().replace("\n", " ")
+    answer = answer.strip().replace(",", "")
+    return {"type": "gen", "prompt": r["question"], "answer": answer, "cot": f"{rationale} So the answer is {answer}."}
+
+
+def bbh_item(r):
+    return {"type": "gen", "prompt": r["input"], "answer": r["target"]}
+
+
+BBH_TASKS = ["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
+             "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
+             "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
+             "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table",
+             "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks",
+             "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects",
+             "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies",
+             "word_sorting"]
+BENCHMARKS = {  # name: (datasets path, configs, split, row -> item in our schema)
+    "mmlu": ("cais/mmlu", ["all"], "test", mmlu_item),
+    "arc_challenge": ("allenai/ai2_arc", ["ARC-Challenge"], "test", arc_item),
+    "hellaswag": ("Rowan/hellaswag", [None], "validation", hellaswag_item),
+    "winogrande": ("allenai/winogrande", ["winogrande_xl"], "validation", winogrande_item),
+    "gsm8k": ("openai/gsm8k", ["main"], "test", gsm8k_item),
+    "bbh": ("lukaemon/bbh", BBH_TASKS, "test", bbh_item),
+}
+
+
+def convert(names, out):
+    """Standard benchmarks through the `datasets` library (network), written as our JSONL tasks."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("--convert needs the optional datasets package (pip install datasets) and the network")
+    for name in names:
+        path, configs, split, to_item = BENCHMARKS[name]
+        for config in configs:
+            try:
+                rows = load_dataset(path, config, split=split)
+            except Exception as e:      # no network, no such dataset: the datasets library's many errors
+                raise UserError(f"--convert={name}: cannot load {path} ({config}) with datasets ({type(e).__name__}: "
+                                f"{str(e)[:120]}); it needs the network")
+            file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
+            write_lines(file, [json.dumps(to_item(r)) for r in rows])
+            print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
+
+
+def write_lines(path, lines):
+    """A text file of lines, written atomically (an interrupted run leaves no half file)."""
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.writelines(line + "\n" for line in lines)
+    atomic_write(path, write)
+
+
+# ----------------------------------------------------------------------------- prompts (App. D)
+
+def shot_text(item):
+    if item["type"] == "mc":
+        return item["context"] + item["choices"][item["answer"]]
+    answer = item.get("cot") or f"The answer is {item['answer']}."
+    return f"Q: {item['prompt']}\nA: {answer}"
+
+
+def gen_prompt_text(item, shots, chat):
+    """Non-thinking: the task's description, k chain-of-thought exemplars, then the question, no
+    chat template. Thinking (chat): zero-shot, as App. E.1's stored prompt."""
+    desc = item.get("description", "")
+    if chat:
+        return ("Question: " + (desc + "\n\n" if desc else "") + item["prompt"]
+                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is <answer>.")
+    head = (desc + "\n\n" if desc else "") + "".join(shot_text(s) + "\n\n" for s in shots)
+    if item.get("extract") == "prefix":
+        return head + item["prompt"]
+    return head + f"Q: {item['prompt']}\nA:"
