@@ -9,7 +9,7 @@ The model: a random model of Ouro-1.4B's exact shape (24 layers of 2048, 16 head
 vocabulary 49,152, U = 4, bf16), its exit gate's bias set so that Eq. 4 at τ 0.5 puts the prompt
 tokens' mean exit depth at 2.6 (decode Ē is measured and printed). The workload: a fixed batch of B
 requests, 32-token prompts, 32 new tokens, greedy; tok/s over the whole run, prompt included.
-Configurations: the Ouro way (bench.ouro_way: every token all U loops on dense lanes, one head call
+Configurations: the Ouro way (ouro_way: every token all U loops on dense lanes, one head call
 per step) eager and graphed (StaticLanes: one graph for the prompt, one for a decode step: U passes
 and the head); the engine's fixed@U, Dense-Ragged and ETE-Ragged, eager (Engine) and graphed
 (SlotEngine: compiled phases, a graph per bucket). The ceiling: decode reading the weights at
@@ -167,7 +167,7 @@ def run_config(model, prompts, config, runner):
 def build(model, B, config, fused):
     """What runs a configuration, kept for all its runs (so that graphs are captured once): graphs
     True: CUDA graphs of the compiled passes; "ready": the graph-ready code without graphs (a CPU);
-    False: the eager engine (serve_depthbatch.Engine) or bench.ouro_way."""
+    False: the eager engine (serve_depthbatch.Engine) or ouro_way."""
     kind, mode, graphs = config
     scheduler = "fixed" if mode == "fixed" else "continuous"
     pages, rows = B * (N_PROMPT + N_NEW) * model.config.n_loops, B * N_PROMPT

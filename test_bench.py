@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench
+import bench_engine
 from configurator import UserError
 from conftest import prompt, varied_model
 from request import Request
@@ -24,9 +25,9 @@ def test_continuous_passes_reach_the_work_conserving_bound_and_nested_does_not()
         e = Engine(model, 5000, max_batch=4, scheduler=scheduler)
         for p, o in work:
             e.add(Request(p, o, "ete_ragged", 0.4))
-        counts = bench.new_counts()
+        counts = bench_engine.new_counts()
         while e.busy():
-            bench.counted_step(e, counts)
+            bench_engine.counted_step(e, counts)
         assert counts["passes"] == e.stats["passes"] and counts["rows"] == e.stats["rows"]
         ratio[scheduler] = counts["steady_passes"] / (counts["steady_slots"] / 4)
     assert ratio["continuous"] == 1.0 and ratio["nested"] > 1.2
@@ -117,8 +118,8 @@ def test_head_schedule_finds_the_cheapest_head_calls_for_known_exits():
         rows = [[random.randint(1, 3) for _ in range(random.randint(1, T))] for _ in range(B)]
         wh = random.choice([0.5, 1.0, 2.0, 3.0])
         best = brute_force_schedule(rows, 1.0, wh)
-        assert bench.head_schedule(rows, 1.0, wh) == best, (rows, wh)
-        narrow = bench.head_schedule(rows, 1.0, wh, width=1)
+        assert bench_engine.head_schedule(rows, 1.0, wh) == best, (rows, wh)
+        narrow = bench_engine.head_schedule(rows, 1.0, wh, width=1)
         n = max(map(len, rows))
         assert best <= narrow <= sum(max(r[t] for r in rows if t < len(r)) for t in range(n)) + n * wh
         assert best >= max(sum(r) for r in rows) + max(map(len, rows)) * wh
@@ -141,7 +142,7 @@ def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch
             return super().add(r)
 
     tokens = lambda e: sum(len(r.tokens) for r in e.reqs)
-    step = bench.timed_step
+    step = bench_engine.timed_step
 
     def timed_step(run):
         if run["engine"] is not last[0]:      # a new turn: who was chosen, and where everyone stood
@@ -149,13 +150,13 @@ def test_bench_turns_go_to_the_engine_least_far_through_the_workload(monkeypatch
             last[0] = run["engine"]
         step(run)
 
-    monkeypatch.setattr(bench, "Engine", Recorded)
-    monkeypatch.setattr(bench, "timed_step", timed_step)
-    monkeypatch.setattr(bench, "TURN", 0.0)     # one step per turn: the most turns to check
+    monkeypatch.setattr(bench_engine, "Engine", Recorded)
+    monkeypatch.setattr(bench_engine, "timed_step", timed_step)
+    monkeypatch.setattr(bench_engine, "TURN", 0.0)     # one step per turn: the most turns to check
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     work = [(prompt(rng.randint(3, 10)), rng.randint(4, 12)) for _ in range(6)]
     configs = [("fixed", "fixed", "eager"), ("continuous", "dense_ragged", "shared"), ("nested", "ete_ragged", "eager")]
-    records = bench.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
+    records = bench_engine.bench_runs(varied_model(), work, configs, 0.5, 2, 2000, 64, "torch", seed=rng.randint(0, 99))
     assert [r["tokens"] for r in records] == [sum(o for _, o in work)] * 3
     assert len(turns) > 20 and all(chosen == min(busy) for chosen, busy in turns)
 

@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server",
            "objectives", "tasks",
            "slot_engine", "slot_pass", "claims"}
-SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "reproduce", "prepare_data", "export_ouro"}
+SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce", "prepare_data", "export_ouro"}
 
 
 def modules():
