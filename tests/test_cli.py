@@ -177,7 +177,7 @@ def test_the_engine_file_points_to_the_server_and_the_benchmark():
     """serve_depthbatch.py is a library now: run as a script it says where serving and its benchmark went."""
     import subprocess
     import sys
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "serve_depthbatch.py", "--ckpt", "out/"], cwd=here, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "python server.py" in r.stderr and "bench.py --what=engine" in r.stderr
@@ -188,7 +188,7 @@ def test_torchrun_bad_flag_is_one_line_and_torchrun_names_it(tmp_path):
     failure report that follows names it as each rank's cause instead of "<N/A>"."""
     import subprocess
     import sys
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.join(here, "train.py"), "--n_layer=abc"], capture_output=True, text=True,
                        timeout=120, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -7,20 +7,28 @@ import importlib
 import os
 import re
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server",
            "objectives", "tasks",
            "slot_engine", "slot_pass", "claims"}
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce", "prepare_data", "export_ouro"}
 
 
+def source_files():
+    """{module name: its file}: the root's modules and scripts, and the tests (tests/, test_ragged.py)."""
+    out = {}
+    for folder in (HERE, os.path.join(HERE, "tests")):
+        out.update({f[:-3]: os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")})
+    return out
+
+
 def modules():
-    return sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".py"))
+    return sorted(source_files())
 
 
 def imports_of(name):
     """Project modules that `name` imports anywhere in its source (top level or inside a function)."""
-    tree = ast.parse(open(os.path.join(HERE, name + ".py"), encoding="utf-8").read())
+    tree = ast.parse(open(source_files()[name], encoding="utf-8").read())
     mine, out = set(modules()), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -35,7 +43,7 @@ def test_every_module_is_in_one_group_and_states_its_concern():
         if name.startswith("test_") or name == "conftest":
             continue
         assert name in LIBRARY | SCRIPTS, f"{name}.py: a library module or a script?"
-        doc = ast.get_docstring(ast.parse(open(os.path.join(HERE, name + ".py"), encoding="utf-8").read()))
+        doc = ast.get_docstring(ast.parse(open(source_files()[name], encoding="utf-8").read()))
         assert doc and len(doc.splitlines()[0]) > 20, f"{name}.py has no first docstring line stating its concern"
 
 
@@ -107,7 +115,7 @@ def test_read_the_code_names_real_functions_that_cite_their_equation_and_real_te
     tests = set()
     for name in modules():
         if name.startswith("test_"):
-            tests |= set(re.findall(r"^def (test_\w+)", open(os.path.join(HERE, name + ".py")).read(), re.M))
+            tests |= set(re.findall(r"^def (test_\w+)", open(source_files()[name]).read(), re.M))
     for idea, paper, code, checked, reference in rows:
         cited = refs(paper)
         assert cited, f"row {idea!r}: no paper reference"

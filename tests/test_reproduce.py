@@ -264,7 +264,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
 def test_quick_never_writes_over_the_full_results(tmp_path, monkeypatch):
     """The committed results/ are a --full grid: --quick goes to results-quick/ by default, and is
     refused in a folder that holds the full runs (one written before grid.json, too)."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert json.load(open(os.path.join(here, "results", "grid.json"))) == {"size": "full"}
     old = tmp_path / "old"
     old.mkdir()

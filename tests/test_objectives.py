@@ -15,7 +15,7 @@ from conftest import TINY, random_model, read_log
 from model import attention, exit_log_pdf, forward_ragged
 from objectives import forward_counterfactual
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 
 
 def brute_ragged_states(model, ids, exits):

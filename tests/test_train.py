@@ -19,7 +19,7 @@ from conftest import TINY, chase, read_log
 from model import exit_pdf
 from tokenizer import load_tokenizer, pieces_meta
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 # ----------------------------------------------------------------------------- priors and regularizers
 
 def test_priors_match_appendix_b():

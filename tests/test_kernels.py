@@ -13,7 +13,7 @@ import kernels
 from kernels import (gather_plan, grid_of, paged_attention, paged_attention_flex, paged_attention_table,
                      paged_attention_torch, paged_attention_triton, paged_chunk_attention)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 
 
 def random_case(R, Hq, Hkv, D, maxlen, P=None, dtype=torch.float32, pad="minus_one"):
