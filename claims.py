@@ -9,7 +9,6 @@ A run written before it had them gets its point values, and the verdict says it 
 interval comes from one bootstrap (`replicates`): the seeds drawn with replacement, then the units
 within each drawn seed.
 """
-import math
 from collections import Counter
 
 import numpy as np
@@ -114,22 +113,24 @@ def frontier_claim(results):
         f, w = r["final"], r.get("windows")
         for t in map(str, THRS):
             if w:
-                kind = {-1: "below", 0: "within noise", 1: "above"}[sign_of(replicates([window_units(w, t)], envelope_gap)[1])]
+                side = sign_of(replicates([window_units(w, t)], envelope_gap)[1])
+                kind = {-1: "below", 0: "within noise", 1: "above"}[side]
             else:
-                kind = "point below" if f["val_loss_ragged"][t] <= fixed_envelope(f["val_loss_fixed"], f["ragged_depth"][t]) \
-                    else "point above"
+                below = f["val_loss_ragged"][t] <= fixed_envelope(f["val_loss_fixed"], f["ragged_depth"][t])
+                kind = "point below" if below else "point above"
             counts.setdefault(r["data"], Counter())[kind] += 1
     total = sum(counts.values(), Counter())
     tested = total["below"] + total["within noise"] + total["above"]
-    part = lambda c: ", ".join(f"{c[k]} {k}" for k in ("below", "within noise", "above", "point below", "point above") if c[k])
+    kinds = ("below", "within noise", "above", "point below", "point above")
+    part = lambda c: ", ".join(f"{c[k]} {k}" for k in kinds if c[k])
     numbers = ("(run, τ) points against the lower envelope of the fixed depths (the best fixed depth at or below "
                "ETE-Ragged's average depth, or a mix of two), 95% intervals over held-out windows: "
                + "; ".join(f"{data}: {part(c)}" for data, c in counts.items()))
+    claim = "ETE-Ragged beats fixed depths at equal average depth (Figure 1)"
     if not tested:
-        return dict(claim="ETE-Ragged beats fixed depths at equal average depth (Figure 1)", numbers=numbers + " (no run "
-                    "has per-window losses: point values only)", holds=None, verdict="untested (no intervals)")
-    return dict(claim="ETE-Ragged beats fixed depths at equal average depth (Figure 1)", numbers=numbers,
-                holds=total["below"] > tested / 2)
+        return dict(claim=claim, numbers=numbers + " (no run has per-window losses: point values only)", holds=None,
+                    verdict="untested (no intervals)")
+    return dict(claim=claim, numbers=numbers, holds=total["below"] > tested / 2)
 
 
 # ----------------------------------------------------------------------------- the claims
@@ -154,7 +155,8 @@ def jump_claims(results):
     pairs = {}
     for r in results:
         if not (r.get("parent") or r.get("beta")):
-            pairs.setdefault((r["data"], r["prior"]), {}).setdefault(r["scope"], []).append(r["final"]["large_jump_rate"])
+            pair = pairs.setdefault((r["data"], r["prior"]), {})
+            pair.setdefault(r["scope"], []).append(r["final"]["large_jump_rate"])
     rows = [(data, prior, mean_spread(s["global"]), mean_spread(s["local"])) for (data, prior), s in pairs.items()
             if "global" in s and "local" in s and prior == "poisson"]
     if not rows:
@@ -166,8 +168,8 @@ def jump_claims(results):
     claim = "Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%)"
     if all(ok) or not any(ok):
         return [dict(claim=claim, numbers=numbers, holds=all(ok))]
-    return [dict(claim=claim, numbers=numbers, holds=None,
-                 verdict=f"on {sum(ok)} of {len(ok)} datasets (" + ", ".join(d for (d, *_), o in zip(rows, ok) if o) + ")")]
+    where = ", ".join(data for (data, *_), o in zip(rows, ok) if o)
+    return [dict(claim=claim, numbers=numbers, holds=None, verdict=f"on {sum(ok)} of {len(ok)} datasets ({where})")]
 
 
 def ra_claims(R):
@@ -182,14 +184,18 @@ def ra_claims(R):
         f = r["final"]
         numbers = (f"ragged@0.5 {f['val_loss_ragged']['0.5']:.4f} (fixed@U {f['val_loss_fixed'][-1]:.4f}; the parent: "
                    f"{parent_gap(R, r)})")
-        claim = f"Ragged-aware training ({r['ra']}, {r['scope']}, {r['data']}) lowers the ragged loss beyond the same continuation with the dense objective"
+        claim = (f"Ragged-aware training ({r['ra']}, {r['scope']}, {r['data']}) lowers the ragged loss beyond the "
+                 "same continuation with the dense objective")
         if not control:
-            out.append(dict(claim=claim, numbers=numbers + "; no dense continuation to compare", holds=None, verdict="untested"))
+            out.append(dict(claim=claim, numbers=numbers + "; no dense continuation to compare", holds=None,
+                            verdict="untested"))
             continue
         numbers += f"; the dense continuation: ragged@0.5 {control['final']['val_loss_ragged']['0.5']:.4f}"
         if r.get("windows") and control.get("windows"):
-            value, reps = replicates([(r["windows"]["ragged"]["0.5"], control["windows"]["ragged"]["0.5"])], np.subtract)
-            out.append(dict(claim=claim, numbers=numbers + f"; RA minus dense: {ci(value, reps, 4)} nats", holds=sign_of(reps) < 0))
+            pair = (r["windows"]["ragged"]["0.5"], control["windows"]["ragged"]["0.5"])
+            value, reps = replicates([pair], np.subtract)
+            out.append(dict(claim=claim, numbers=numbers + f"; RA minus dense: {ci(value, reps, 4)} nats",
+                            holds=sign_of(reps) < 0))
         else:
             gap = f["val_loss_ragged"]["0.5"] - control["final"]["val_loss_ragged"]["0.5"]
             out.append(dict(claim=claim, numbers=numbers + f"; RA minus dense: {gap:+.4f} nats (one seed, no interval)",
@@ -225,12 +231,13 @@ def difficulty_claims(R, seeds):
     out, rho, by = [], {}, {}
     for s in ("local", "global"):
         finals = [R[f"syn-{s}-poisson-s{x}"]["final"] for x in seeds if f"syn-{s}-poisson-s{x}" in R]
-        rho[s] = mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals])
+        rho[s] = mean_spread([f.get("difficulty_spearman") or 0.0 for f in finals])
         by[s] = [np.mean([f["depth_by_difficulty"][str(k)] for f in finals if f["depth_by_difficulty"].get(str(k))
                           is not None] or [np.nan]) for k in range(1, 5)]
     if rho["global"][0] is not None and rho["local"][0] is not None:
         depths = lambda s: " / ".join(f"{d:.2f}" for d in by[s])
-        out.append(dict(claim="Exit depth rises with the next token's difficulty, more under global than local enforcement",
+        out.append(dict(claim="Exit depth rises with the next token's difficulty, more under global than local "
+                              "enforcement",
                         numbers=f"Spearman(depth before a labelled token, its difficulty 1..4), Poisson: global "
                                 f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
                                 f"global {depths('global')}, local {depths('local')} (0 where the depth is constant)",
@@ -263,21 +270,21 @@ def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
                                 for k in levels)
     out.append(dict(claim=f"{name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
                           "k), the precondition of the next claim",
-                    numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} seed(s): "
-                            f"global {table('global')}; local {table('local')}",
+                    numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} "
+                            f"seed(s): global {table('global')}; local {table('local')}",
                     holds=min(gain.values()) >= 0.1))
-    rho = {s: mean_spread([0.0 if f.get("difficulty_spearman") is None else f["difficulty_spearman"] for f in finals[s]])
-           for s in finals}
-    per_k = lambda s, key: " / ".join(f"{np.mean([f[key][k] for f in finals[s] if f[key].get(k) is not None] or [np.nan]):.2f}"
-                                      for k in levels)
-    ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at "
-                                  f"{np.mean([b['ete_ragged@0.5'][k]['answer_depth'] for b in suites[s]]):.2f}" for k in levels)
+    rho = {s: mean_spread([f.get("difficulty_spearman") or 0.0 for f in finals[s]]) for s in finals}
+    seen = lambda s, key, k: [f[key][k] for f in finals[s] if f[key].get(k) is not None] or [np.nan]
+    per_k = lambda s, key: " / ".join(f"{np.mean(seen(s, key, k)):.2f}" for k in levels)
+    depth = lambda s, k: np.mean([b["ete_ragged@0.5"][k]["answer_depth"] for b in suites[s]])
+    ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at {depth(s, k):.2f}" for k in levels)
+    span = "span_depth_by_difficulty"
     out.append(dict(claim=f"{name}: the answer's exit depth rises with k, more under global than local "
                           "enforcement (k can be read from the item's length: a test of visible difficulty)",
                     numbers=f"Spearman(exit depth before an answer, its k): global {num(rho['global'])}, local "
-                            f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
-                            f"{per_k('global', 'span_depth_by_difficulty')}, local {per_k('local', 'span_depth_by_difficulty')}; "
-                            f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
+                            f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: "
+                            f"global {per_k('global', span)}, local {per_k('local', span)}; ETE-Ragged τ 0.5 "
+                            f"accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
                     holds=rho["global"][0] > max(rho["local"][0], 0.0)))   # rising at all, and more than local
     sweep = sweep_numbers(finals, suites, hard)
     if sweep:
@@ -295,8 +302,8 @@ def sweep_numbers(finals, suites, hard):
         return ""
     rho = lambda s, t: np.mean([f["difficulty_spearman_by_thr"][t] or 0.0 for f in finals[s]])
     at = lambda s, t, key: np.mean([b[f"ete_ragged@{t}"][hard][key] for b in suites[s]])
-    part = lambda s: ", ".join(f"τ {t}: ρ {rho(s, t):.3f}, k={hard} {at(s, t, 'acc'):.2f} at {at(s, t, 'answer_depth'):.2f}"
-                               for t in sorted(thrs, key=float))
+    one = lambda s, t: f"τ {t}: ρ {rho(s, t):.3f}, k={hard} {at(s, t, 'acc'):.2f} at {at(s, t, 'answer_depth'):.2f}"
+    part = lambda s: ", ".join(one(s, t) for t in sorted(thrs, key=float))
     return f"τ sweep (Spearman; ETE-Ragged accuracy at answer depth): global {part('global')}; local {part('local')}"
 
 
@@ -322,7 +329,6 @@ def graded_claims(R):
     runs = {s: graded_runs(R, s) for s in ("local", "global")}
     if not all(runs.values()):
         return []
-    U = len(runs["global"][0]["final"]["val_loss_fixed"])
     suites = {s: [r["builtin"] for r in rs] for s, rs in runs.items()}
     levels = sorted({int(k) for b in suites["global"] for k in b["fixed@1"]})
     needs, notes = [], []
@@ -333,8 +339,8 @@ def graded_claims(R):
         needs.append(sign_of(reps) > 0 and value >= 0.1)
         notes.append(f"k={k}: fixed@{k} minus fixed@{k - 1} {ci(value, reps)}")
     n = {s: len(rs) for s, rs in runs.items()}
-    out = [dict(claim="Graded task (hidden k): each k needs its depth at the answer (fixed@k clearly above fixed@k-1 on "
-                      "k look-ups), the precondition of the next claim",
+    out = [dict(claim="Graded task (hidden k): each k needs its depth at the answer (fixed@k clearly above "
+                      "fixed@k-1 on k look-ups), the precondition of the next claim",
                 numbers=f"builtin suite, greedy, accuracy on k look-ups, {n['local']} local + {n['global']} global "
                         f"seeds: " + "; ".join(notes), holds=all(needs))]
     lo_k, hi_k, mode = levels[0], levels[-1], "ete_ragged@0.5"
@@ -345,8 +351,8 @@ def graded_claims(R):
     diff = rise["global"][1] - rise["local"][1]
     out.append(dict(claim="Graded task (hidden k): the answer's exit depth rises with k, more under global than local "
                           "enforcement",
-                    numbers=f"ETE-Ragged τ 0.5, answer depth at k={hi_k} minus k={lo_k}: global {ci(*rise['global'])}, "
-                            f"local {ci(*rise['local'])}; global minus local "
+                    numbers=f"ETE-Ragged τ 0.5, answer depth at k={hi_k} minus k={lo_k}: global "
+                            f"{ci(*rise['global'])}, local {ci(*rise['local'])}; global minus local "
                             f"{ci(rise['global'][0] - rise['local'][0], diff)} (per k: the tables below)",
                     holds=sign_of(rise["global"][1]) > 0 and sign_of(diff) > 0))
     return out
@@ -357,8 +363,8 @@ def graded_tables(R):
     item, each with its interval), and accuracy against compute for every fixed depth and
     threshold, local and global, and after ragged-aware training. [] without graded runs."""
     models = [(s, graded_runs(R, s)) for s in ("local", "global")]
-    models += [(f"{s} {kind}", [R[f"grd-{s}-poisson-{kind}"]]) for s in ("local", "global") for kind in ("ra-direct", "cont-dense")
-               if R.get(f"grd-{s}-poisson-{kind}", {}).get("builtin")]
+    models += [(f"{s} {kind}", [R[f"grd-{s}-poisson-{kind}"]]) for s in ("local", "global")
+               for kind in ("ra-direct", "cont-dense") if R.get(f"grd-{s}-poisson-{kind}", {}).get("builtin")]
     models = [(m, [r["builtin"] for r in rs]) for m, rs in models if rs]
     if not models:
         return []
@@ -369,7 +375,8 @@ def graded_tables(R):
              "Held-out items of the builtin graded suite, greedy; each value with its 95% interval (seeds, then items, "
              "resampled). Answer depth: the exit depth of the position that produced the answer; Σ e: the exit depths "
              "summed over the item's tokens and the answer.", "",
-             "| model | mode | k | answer depth | P(exit ≥ k) | accuracy at the exit | Σ e over the item |", "|---|---|---|---|---|---|---|"]
+             "| model | mode | k | answer depth | P(exit ≥ k) | accuracy at the exit | Σ e over the item |",
+             "|---|---|---|---|---|---|---|"]
     for m, suites in models:
         for t in (THRS if m in ("local", "global") else [0.5]):
             mode = f"ete_ragged@{t}"
@@ -377,18 +384,20 @@ def graded_tables(R):
                 if rollouts(suites[0], mode, k, "answer_depth") is None:
                     continue
                 reach = replicates([(rollouts(b, mode, k, "answer_depth") >= k,) for b in suites])
-                lines.append(f"| {m} | {mode} | {k} | {ci(*stat(suites, mode, k, 'answer_depth'))} | {ci(*reach)} | "
-                             f"{ci(*stat(suites, mode, k, 'correct'))} | {ci(*stat(suites, mode, k, 'sum_exits'), 1)} |")
+                depth, right = stat(suites, mode, k, "answer_depth"), stat(suites, mode, k, "correct")
+                lines.append(f"| {m} | {mode} | {k} | {ci(*depth)} | {ci(*reach)} | {ci(*right)} | "
+                             f"{ci(*stat(suites, mode, k, 'sum_exits'), 1)} |")
     lines += ["", "Accuracy against compute, every k together: what each mode buys per loop at the answer and per loop "
-              "over the item.", "", "| model | mode | accuracy | answer depth | Σ e over the item |", "|---|---|---|---|---|"]
+              "over the item.", "", "| model | mode | accuracy | answer depth | Σ e over the item |",
+              "|---|---|---|---|---|"]
     every = lambda suites, mode, key: replicates([(np.concatenate([rollouts(b, mode, k, key) for k in levels]),)
                                                   for b in suites])
     for m, suites in models:
         for mode in [f"fixed@{d}" for d in range(1, U + 1)] + [f"ete_ragged@{t}" for t in sorted(THRS)]:
             if rollouts(suites[0], mode, levels[0], "correct") is None:
                 continue
-            lines.append(f"| {m} | {mode} | {ci(*every(suites, mode, 'correct'))} | {ci(*every(suites, mode, 'answer_depth'))} "
-                         f"| {ci(*every(suites, mode, 'sum_exits'), 1)} |")
+            lines.append(f"| {m} | {mode} | {ci(*every(suites, mode, 'correct'))} | "
+                         f"{ci(*every(suites, mode, 'answer_depth'))} | {ci(*every(suites, mode, 'sum_exits'), 1)} |")
     return lines + [""]
 
 
