@@ -38,8 +38,8 @@ from request import Request
 from serve_depthbatch import HEADS, Engine
 
 DEFAULTS = dict(
-    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching; train: objectives;
-                           # gpu: graphed against eager at Ouro-1.4B's shape (bench_gpu.py)
+    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching
+                           # (bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -58,13 +58,13 @@ DEFAULTS = dict(
     engine_thr=0.5,        # engine: the exit threshold of the ragged modes
     batches="",            # engine: batch sizes, comma-separated (default 1,4,8,32)
     sampling="greedy,paper",  # engine, fixed batch: greedy (as eval.py) and/or the paper's sampling (as sample.py)
-    ouro_code="",          # engine, fixed batch: the public Ouro modeling_ouro.py (configuration_ouro.py beside it) as a row
+    ouro_code="",          # engine, fixed batch: the public Ouro modeling_ouro.py (its configuration beside it), a row
     requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
-    rounds=1,              # engine: rounds of every configuration, each in turns; the fastest counts (all: ratio_rounds)
+    rounds=1,              # engine: rounds of every configuration, in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     quick=False,           # engine: every configuration on short requests, to check the code runs (measures nothing)
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
-    max_rows=256,          # engine, queue workload: rows per pass that prefill chunks may fill (the fixed batch prefills all at once)
+    max_rows=256,          # engine, queue: rows per pass prefill chunks may fill (a fixed batch prefills at once)
     attn="auto",           # engine: paged attention (kernels.py)
     device="cpu",          # engine, gpu: where to run (auto: CUDA when there is one)
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
@@ -72,9 +72,10 @@ DEFAULTS = dict(
 )
 RULES = dict(what=["decode", "engine", "train", "gpu"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
              thr="floats in [0, 1]", seed=SEED_RULE, threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
-             f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)", steps=">= 1", batch_size=">= 1",
-             block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0", rounds=">= 1", kv_pages=">= 0",
-             max_rows=">= 1", attn=IMPLS, device=device_rule, shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
+             f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)",
+             steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0",
+             rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS, device=device_rule,
+             shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
              workload=["queue", "batch", "both"], head=HEADS,
              sampling=lambda v: None if v and set(v.split(",")) <= {"greedy", "paper"} else
              "expected greedy, paper or greedy,paper",

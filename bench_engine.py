@@ -159,7 +159,8 @@ def ouro_code_generate(hf, prompts, n_new, temperature, top_p):
     n_new tokens per row. Sampling draws from torch's global generator, seeded 0 per run."""
     torch.manual_seed(0)
     ids = torch.tensor(prompts, device=hf.device)
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else dict(do_sample=False)
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else \
+        dict(do_sample=False)
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
                           pad_token_id=0, **sample)
@@ -183,8 +184,9 @@ def queue_bench(model, c, thr, batches, bar):
     tok/s in the window of a loaded server. Every configuration against fixed@U of the same round."""
     U = model.config.n_loops
     prompts, outputs, _ = LENGTHS[size_of(c)]
-    configs = [("fixed", "fixed", "eager")] + [("continuous", m, h) for m in ("dense_ragged", "ete_ragged")
-                                               for h in HEADS] + [("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")]
+    ragged = ("dense_ragged", "ete_ragged")
+    configs = ([("fixed", "fixed", "eager")] + [("continuous", m, h) for m in ragged for h in HEADS]
+               + [("nested", m, "eager") for m in ragged])
     runs = []
     for B in batches:
         n = c["requests"] or (256 if c["full"] else 2 * B + 8)
@@ -192,7 +194,8 @@ def queue_bench(model, c, thr, batches, bar):
         pages = c["kv_pages"] or sum(len(p) + o for p, o in work) * U
         tries = {k: [] for k in configs}
         for rep in range(c["rounds"]):
-            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar, seed=c["seed"] + rep):
+            for r in bench_runs(model, work, configs, thr, B, pages, c["max_rows"], c["attn"], bar,
+                                seed=c["seed"] + rep):
                 tries[r["scheduler"], r["mode"], r["head"]].append(r)
         fixed = tries["fixed", "fixed", "eager"]
         best = {k: fastest(v) for k, v in tries.items()}
@@ -267,7 +270,8 @@ def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0), hf=Non
     # on a grid that the attention reads in place (kernels.grid_of), as the dense lanes are read
     e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=B * len(prompts[0]),
                scheduler=scheduler, attn=c["attn"], head=head)
-    reqs = e.run([Request(p, n_new, mode, thr, temperature=temperature, top_p=top_p, seed=i) for i, p in enumerate(prompts)])
+    reqs = e.run([Request(p, n_new, mode, thr=thr, temperature=temperature, top_p=top_p, seed=i)
+                  for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - t0
     dec = [x for r in reqs for x in r.decode_exits]
     avg = sum(dec) / len(dec)
@@ -353,16 +357,18 @@ def print_bench(runs, capacity, pages, U):
     if queue:
         print("queue workload (a loaded server):", file=err)
         print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x fixed':>8}{'U/Ē':>6}{'cost':>6}"
-              f"{'Ē dec':>7}{'passes':>8}{'bound':>8}{'ratio':>7}{'head calls':>11}{'rows/call':>10}{'KV phys/dense':>16}"
-              f"{'mix win/run':>12}{'  x fixed by round' if len(queue[0]['ratio_rounds']) > 1 else ''}", file=err)
+              f"{'Ē dec':>7}{'passes':>8}{'bound':>8}{'ratio':>7}{'head calls':>11}{'rows/call':>10}"
+              f"{'KV phys/dense':>16}{'mix win/run':>12}"
+              f"{'  x fixed by round' if len(queue[0]['ratio_rounds']) > 1 else ''}", file=err)
         for r in queue:
             ratio = r["passes"] / r["lower_bound"] if r["lower_bound"] else float("nan")
             rounds = r["ratio_rounds"]
             spread = f"  {min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else ""
             print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
-                  f"{r['ratio_vs_fixed']:>8.2f}{r['ideal_ratio']:>6.2f}{r['ideal_cost']:>6.2f}{r['avg_decode_depth']:>7.2f}"
-                  f"{r['passes']:>8}{r['lower_bound']:>8.1f}{ratio:>7.3f}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
-                  f"{r['kv_physical']:>8}/{r['kv_dense']:<7}{r['mix_window']:>7.2f}/{r['mix_run']:.2f}{spread}", file=err)
+                  f"{r['ratio_vs_fixed']:>8.2f}{r['ideal_ratio']:>6.2f}{r['ideal_cost']:>6.2f}"
+                  f"{r['avg_decode_depth']:>7.2f}{r['passes']:>8}{r['lower_bound']:>8.1f}{ratio:>7.3f}"
+                  f"{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}{r['kv_physical']:>8}/{r['kv_dense']:<7}"
+                  f"{r['mix_window']:>7.2f}/{r['mix_run']:.2f}{spread}", file=err)
         print("tok/s: from the first request's end to the last admission, fastest of the rounds; U/Ē and cost: the "
               "ideal x fixed by depth alone and by the weight-read cost model (head calls included); passes and bound "
               "(the work-conserving bound) while requests wait; head calls and rows/call over the whole run",
@@ -370,28 +376,28 @@ def print_bench(runs, capacity, pages, U):
     batch = [r for r in runs if r["workload"] == "batch"]
     if batch:
         print("fixed-batch workload (exactly B requests, the batch ends with its deepest):", file=err)
-        print(f"{'sampling':<9}{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}{'x fixed':>8}{'ideal':>7}{'sched':>7}"
-              f"{'Ē dec':>7}{'passes':>8}{'makespan':>9}{'head calls':>11}{'rows/call':>10}{'GB read':>9}{'agree':>7}",
-              file=err)
+        print(f"{'sampling':<9}{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}"
+              f"{'x fixed':>8}{'ideal':>7}{'sched':>7}{'Ē dec':>7}{'passes':>8}{'makespan':>9}{'head calls':>11}"
+              f"{'rows/call':>10}{'GB read':>9}{'agree':>7}", file=err)
         for r in batch:
             code = f"  x Ouro's code {r['ratio_vs_ouro_code']:.2f}" if "ratio_vs_ouro_code" in r else ""
-            print(f"{r['sampling']:<9}{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
-                  f"{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}{r['ideal_schedule']:>7.2f}"
-                  f"{r['avg_decode_depth']:>7.2f}"
-                  f"{r['passes_total']:>8}{r['makespan_bound']:>9}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
+            print(f"{r['sampling']:<9}{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}"
+                  f"{r['tok_s']:>8.1f}{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}"
+                  f"{r['ideal_schedule']:>7.2f}{r['avg_decode_depth']:>7.2f}{r['passes_total']:>8}"
+                  f"{r['makespan_bound']:>9}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
                   f"{r['weight_gb']:>9.2f}{r['tokens_agree_with_ouro_way']:>7.2f}{code}", file=err)
         print("x ouro: against batched full-depth dense lanes (Ouro's way); ideal: x fixed by the cost model for a "
-              "batch that ends with its deepest request (makespan = that request's passes, one head call per token: a bound); "
-              "sched: x fixed by the cost model for the best head schedule found knowing every exit (head_schedule: one "
-              "that exists, so the best one lies between sched and ideal); agree: share of tokens "
-              "equal to the Ouro way's (fixed@U: all of them, sampled too, each request with its own seed; ragged modes "
-              "differ by design); sampling: greedy (eval.py) or the paper's, temperature 1 and top-p 0.7 (sample.py)",
-              file=err)
+              "batch that ends with its deepest request (makespan = that request's passes, one head call per token: "
+              "a bound); sched: x fixed by the cost model for the best head schedule found knowing every exit "
+              "(head_schedule: one that exists, so the best one lies between sched and ideal); agree: share of "
+              "tokens equal to the Ouro way's (fixed@U: all of them, sampled too, each request with its own seed; "
+              "ragged modes differ by design); sampling: greedy (eval.py) or the paper's, temperature 1 and top-p "
+              "0.7 (sample.py)", file=err)
     if capacity:
         print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
               "request submitted at once, whole run", file=err)
-        print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}{'peak':>6}",
-              file=err)
+        print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}"
+              f"{'peak':>6}", file=err)
         for r in capacity:
             print(f"{r['scheduler']:<11}{r['mode']:<13}{r['requests_s']:>8.2f}{r['tok_s_total']:>8.1f}"
                   f"{r['max_in_flight']:>14}{r['preemptions']:>12}{r['peak_pages']:>6}", file=err)
@@ -435,7 +441,7 @@ def counted_step(e, counts):
         counts["prefill_rows"] += rows - dec
         if steady:
             counts["steady_passes"] += n
-            counts["steady_slots"] += n * len(e.last_pass)   # requests that ran a depth (a prompt chunk is one wide row)
+            counts["steady_slots"] += n * len(e.last_pass)   # requests that ran a depth (a prompt chunk: one row)
             counts["steady_decode_rows"] += dec
     return out
 
@@ -513,7 +519,8 @@ def bench_record(run, thr, batch):
                 passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, avg_decode_depth_run=avg_run,
                 kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits,
                 peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
-                row_depths=s["rows"], head_calls=s["head_calls"], rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
+                row_depths=s["rows"], head_calls=s["head_calls"],
+                rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
                 **cost(U, (e.w_block, e.w_head), s["passes"], s["head_calls"], avg))
 
 

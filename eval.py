@@ -42,13 +42,13 @@ from tokenizer import IM_END, chat_ids, check_chat
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # held-out items of known difficulty: "synthetic" (chains, sums), "pointer", "hops" or "graded" (look-ups after the query)
+    builtin="",            # held-out items of known difficulty (tasks.py): synthetic, pointer, hops or graded
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     builtin_max_k=4,       # the hardest level of the builtin suite (levels 1..builtin_max_k)
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
-    convert="",            # write standard benchmarks (mmlu, arc_challenge, hellaswag, winogrande, gsm8k, bbh) as our JSONL into --out, then stop
-    modes="",              # e.g. fixed@1,fixed@4,dense_ragged@0.3,ete_ragged@0.5 (default: fixed@U and the ragged modes at 0.5)
+    convert="",            # write standard benchmarks (tasks.BENCHMARKS) as our JSONL into --out, then stop
+    modes="",              # e.g. fixed@1,fixed@4,ete_ragged@0.5 (default: fixed@U and the ragged modes at 0.5)
     sweep=False,           # the frontier of App. E.1: fixed@1..U and every --thresholds for both ragged modes
     thresholds="0.2,0.3,0.4,0.5,0.6,0.75",  # the sweep's thresholds
     out="eval-out",        # results.json, records.jsonl, frontier.png
@@ -67,16 +67,18 @@ DEFAULTS = dict(
     kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
     head="shared",         # LM-head calls of the generation runs: shared or eager (serve_depthbatch.HEADS)
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_items="in [1, 100000]", builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
-             max_tokens=">= 1", temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, seed=SEED_RULE,
+RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_items="in [1, 100000]",
+             builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0", max_tokens=">= 1",
+             temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule,
+             seed=SEED_RULE,
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -137,7 +139,8 @@ def extract_answer(text):
 def is_correct(item, completion_text, completion_ids):
     if item.get("extract", "answer_is") == "prefix":
         if "answer_ids" in item:
-            return completion_ids[:len(item["answer_ids"])] == item["answer_ids"], completion_ids[:len(item["answer_ids"])]
+            head = completion_ids[:len(item["answer_ids"])]
+            return head == item["answer_ids"], head
         return completion_text.startswith(item["answer"]), completion_text[:len(item["answer"])]
     ans = extract_answer(completion_text)
     return ans is not None and ans == normalize(item["answer"]), ans
@@ -278,8 +281,9 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
             raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "
                             f"{model.config.block_size}")
         for j in range(c["n"]):
-            r = Request(ids, cap, mode, 0.5 if thr is None else thr, depth or 0, c["temperature"], c["top_p"], c["top_k"],
-                        c["seed"] + 1000 * i + j, tuple(eos), tag=i)
+            r = Request(ids, cap, mode, thr=0.5 if thr is None else thr, depth=depth or 0,
+                        temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + 1000 * i + j,
+                        stop=tuple(eos), tag=i)
             if stop and decode is not None and item.get("extract", "answer_is") != "prefix":
                 def on_token(r, tok, stop=stop):      # the next exemplar begins: this rollout is done
                     if tok is not None and stop in decode(r.tokens):
@@ -337,7 +341,8 @@ def by_difficulty(records):
         rs = [r for r in records if r.get("difficulty") == level]
         correct = [x for r in rs for x in r["correct"]] if rs[0]["type"] == "gen" else [r["correct"] for r in rs]
         depth = [d for r in rs for d in (r.get("answer_depth") or []) if d is not None]
-        out[str(level)] = {"items": len(rs), "acc": float(np.mean(correct)), "answer_depth": float(np.mean(depth)) if depth else None}
+        out[str(level)] = {"items": len(rs), "acc": float(np.mean(correct)),
+                           "answer_depth": float(np.mean(depth)) if depth else None}
         if rs[0]["type"] == "gen":
             out[str(level)]["rollouts"] = {
                 "correct": [int(x) for x in correct], "answer_depth": [d for r in rs for d in r["answer_depth"]],
@@ -381,8 +386,8 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
             reqs = []
             for ids, until, cap in items:
                 ids = ids[-(model.config.block_size - 1):]
-                rq = Request(ids, max(1, min(cap, model.config.block_size - len(ids))), mode, 0.5 if thr is None else thr,
-                             depth or 0, 0.0)
+                rq = Request(ids, max(1, min(cap, model.config.block_size - len(ids))), mode,
+                             thr=0.5 if thr is None else thr, depth=depth or 0, temperature=0.0)
                 rq.until = [u for u in until if isinstance(u, str)]
 
                 def on_token(rq, tok):
@@ -424,8 +429,9 @@ def run_lm_eval(model, encode, decode, specs, c, device):
     for spec in specs:
         try:
             res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec, c, device),
-                                          tasks=[t for t in c["lm_eval"].split(",") if t], num_fewshot=c["shots"] or None,
-                                          limit=c["limit"] or None, task_manager=manager)
+                                          tasks=[t for t in c["lm_eval"].split(",") if t],
+                                          num_fewshot=c["shots"] or None, limit=c["limit"] or None,
+                                          task_manager=manager)
         except (UserError, KeyboardInterrupt):
             raise
         except Exception as e:       # its task's data could not be loaded (offline, a missing local file), ...
@@ -551,20 +557,22 @@ def main(argv):
                 if not group:
                     continue
                 if kind == "mc":
-                    summary, recs = run_mc(model, group, task, spec, c, encode, device, [s for s in shots if s["type"] == "mc"])
+                    summary, recs = run_mc(model, group, task, spec, c, encode, device,
+                                           [s for s in shots if s["type"] == "mc"])
                 else:
                     summary, recs = run_gen(model, group, task, spec, c, encode, decode,
                                             [s for s in shots if s["type"] == "gen"], ks)
-                run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None, acc_norm=None,
-                           pass_at=None, stderr=None, avg_depth=None)
+                run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None,
+                           acc_norm=None, pass_at=None, stderr=None, avg_depth=None)
                 run.update(summary)
                 if any(r.get("difficulty") for r in recs):
                     run["by_difficulty"] = by_difficulty(recs)
                 runs.append(run)
                 records.extend(recs)
                 score = score_of(run)
-                print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score:.3f} (n={len(group)}); avg depth "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None), file=sys.stderr)
+                depths = ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None)
+                print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score:.3f} (n={len(group)}); "
+                      f"avg depth {depths}", file=sys.stderr)
     if c["lm_eval"]:
         runs += run_lm_eval(model, encode, decode, specs, c, device)
     write_json(os.path.join(c["out"], "results.json"),

@@ -52,7 +52,7 @@ from tokenizer import load_tokenizer
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
     full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
-    out="",                # where the runs, RESULTS.md and figures/ go ("": results/ with --full, results-quick/ with --quick)
+    out="",                # runs, RESULTS.md, figures/ ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
     seeds=2,               # seeds of the local/global Poisson pair (the rest of the grid: the first)
     seed=1337,             # the first seed
@@ -64,14 +64,15 @@ RULES = dict(seeds=">= 1", seed=SEED_RULE)
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
 SIZES = {
-    "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64", "--block_size=32",
+    "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64",
+                        "--block_size=32",
                         "--batch_size=8", "--max_iters=16", "--eval_interval=8", "--eval_iters=2", "--warmup_iters=4",
                         "--log_interval=4"], branch_iters=6, synthetic_chars=120_000, pointer_items=2,
                   data_args={"pointer": ["--block_size=64"]},   # a k = 4 pointer item's prompt is 53 characters
                   task_seeds=1, windows=32),
-    "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250", "--eval_iters=10",
-                       "--warmup_iters=100", "--log_interval=25"], branch_iters=500, synthetic_chars=5_000_000,
-                 pointer_items=50,
+    "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250",
+                       "--eval_iters=10", "--warmup_iters=100", "--log_interval=25"],
+                 branch_iters=500, synthetic_chars=5_000_000, pointer_items=50,
                  # hops: one layer of width 256 (8 heads), where a loop learns one look-up (L=2, d=128 learns two
                  # in its first loop and none in the next), the peak learning rate held for 2,000 steps (a look-up
                  # that continues in the next loop is learned late, in a jump: results/notes.md)
@@ -142,7 +143,8 @@ def prepare(c, size, data_dir):
             prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset=data, data_dir=data_dir, max_k=MAX_K[data],
                                       size=SIZES[size]["synthetic_chars"]))
     if not os.path.isfile(os.path.join(data_dir, "shakespeare", "meta.json")):
-        src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare", input=c["input"])
+        src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare",
+                   input=c["input"])
         if not c["input"] and size == "quick":   # offline smoke test: a stand-in text of the same kind
             stand_in = os.path.join(data_dir, "stand_in.txt")
             os.makedirs(data_dir, exist_ok=True)
@@ -201,7 +203,8 @@ def builtin_by_depth(folder, kind, max_k, per_level, U):
     {mode: {k: {items, acc, answer_depth}}}."""
     modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"ete_ragged@{t}" for t in THRS])
     with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
-        runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_max_k={max_k}", f"--builtin_items={per_level}", f"--modes={modes}",
+        runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_max_k={max_k}",
+                                f"--builtin_items={per_level}", f"--modes={modes}",
                                 "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"])
     return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
@@ -246,7 +249,8 @@ def exit_trace(folder, data, n=96, thr=0.5):
 # ----------------------------------------------------------------------------- RESULTS.md
 
 COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5/0.7", "depth@0.2/0.3/0.5/0.7",
-           "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4", "Spearman"]
+           "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4",
+           "Spearman"]
 
 
 def table_rows(results):
@@ -258,13 +262,13 @@ def table_rows(results):
               (f", flat β={r['beta']}" if r.get("beta") else "")
         fmt = lambda xs, p=3: " / ".join(f"{x:.{p}f}" for x in xs)
         by = f.get("depth_by_difficulty")
+        by_k = fmt([by[str(k)] if by.get(str(k)) is not None else float("nan") for k in range(1, 5)], 2) if by else "–"
+        rho = f.get("difficulty_spearman")
         rows.append([r["name"], r["data"], obj, str(r["seed"]), fmt(f["val_loss_fixed"]),
                      fmt([f["val_loss_ragged"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)]),
                      fmt([f["ragged_depth"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)], 2), f"{f['avg_exit_depth']:.2f}",
                      fmt(f["exit_fractions"], 2), fmt(f["jump_rates"], 2), f"{100 * f['large_jump_rate']:.1f}%",
-                     f"{f['kl_global']:.4f}",
-                     fmt([by[str(k)] if by and by.get(str(k)) is not None else float("nan") for k in range(1, 5)], 2)
-                     if by else "–", f"{f['difficulty_spearman']:.3f}" if f.get("difficulty_spearman") is not None else "–"])
+                     f"{f['kl_global']:.4f}", by_k, "–" if rho is None else f"{rho:.3f}"])
     return rows
 
 
@@ -309,7 +313,8 @@ def draw(results, out, seeds):
     os.makedirs(fig_dir, exist_ok=True)
     s0 = seeds[0]
     pair = [(R.get(f"syn-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
-    tasks = [[(R.get(f"{prefix}-{s}-poisson-s{s0}"), s) for s in ("local", "global")] for prefix, _ in POINTER_TASKS.values()]
+    tasks = [[(R.get(f"{prefix}-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
+             for prefix, _ in POINTER_TASKS.values()]
     made = []
     for figure, runs in ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
                          + [(figure_trace, task) for task in tasks] + [(figure_curves, pair), (figure_difficulty, pair),
@@ -365,11 +370,12 @@ def figure_trace(plt, R, pair, s0):
             x = np.arange(len(tr["exits"]))
             ax.step(x, tr["exits"], where="mid", color=COLORS[s])
             hard = [i for i, l in enumerate(tr["labels"]) if l > 0]
-            ax.scatter(hard, [tr["exits"][i] for i in hard], color="black", zorder=3, s=18, label="hard token (label > 0)")
+            ax.scatter(hard, [tr["exits"][i] for i in hard], color="black", zorder=3, s=18,
+                       label="hard token (label > 0)")
             ax.set_xticks(x)
             ax.set_xticklabels([t if t.strip() else "·" for t in tr["tokens"]], fontsize=6, family="monospace")
-            ax.set(ylabel="exit depth", title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})",
-                   yticks=range(1, 5))
+            ax.set(ylabel="exit depth", yticks=range(1, 5),
+                   title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})")
             ax.legend(fontsize=7, loc="upper right")
         data = next(r for r, _ in pair if r)["data"]
         if data in POINTER_TASKS:
@@ -393,7 +399,8 @@ def figure_curves(plt, R, pair, s0):
         a2.plot([p["tokens"] for p in r["curve"]], [p["avg_exit_depth"] for p in r["curve"]], "-", color=col, label=s)
         a3.plot(toks, [p["val_loss_fixed"][0] - min(p["val_loss_fixed"][1:]) for p in late], "-", color=col, label=s)
     parent = R.get(f"syn-global-poisson-s{s0}")
-    for name, style, label in (("ra-direct", "-", "global + RA direct"), ("cont-dense", ":", "global, dense continuation")):
+    branches = (("ra-direct", "-", "global + RA direct"), ("cont-dense", ":", "global, dense continuation"))
+    for name, style, label in branches:
         r = R.get(f"syn-global-poisson-{name}")
         if r and parent:      # a branch's tokens count from its parent's end
             start = parent["curve"][-1]["tokens"]
@@ -404,8 +411,9 @@ def figure_curves(plt, R, pair, s0):
     a3.set(xlabel="tokens", ylabel="loss gain of loops 2..U over loop 1")
     for ax in (a1, a2, a3):
         ax.legend(fontsize=7)
-    return fig, "training_curves.png", ("Training curves, Poisson prior: loss, average exit depth, and what loops "
-                                        "2..U gain over loop 1, with a flat β and the ragged-aware branch (Figures 5, 7)")
+    caption = ("Training curves, Poisson prior: loss, average exit depth, and what loops 2..U gain over loop 1, "
+               "with a flat β and the ragged-aware branch (Figures 5, 7)")
+    return fig, "training_curves.png", caption
 
 
 def figure_graded(plt, R, pair, s0):
@@ -503,7 +511,8 @@ def main(argv):
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
     write_results(results, c, size, seeds, figures)
-    print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)", file=sys.stderr)
+    print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)",
+          file=sys.stderr)
     return results
 
 
