@@ -82,8 +82,8 @@ def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
             if temperature == 0:
                 idx = logits.argmax(-1)[:, None]
             else:
-                idx = torch.tensor([[sample_token(lg, temperature, 0, top_p, i, pos - 1)] for i, lg in enumerate(logits)],
-                                   device=dev)
+                idx = torch.tensor([[sample_token(lg, temperature, 0, top_p, i, pos - 1)]
+                                    for i, lg in enumerate(logits)], device=dev)
             out.append(idx[:, 0])
     return torch.stack(out, 1).tolist()
 
@@ -238,8 +238,10 @@ def bench_gpu(c):
                                    scheduler="fixed" if mode == "fixed" else "continuous", graphs=False, fuse=True)
                 reqs = plain.run([Request(p, N_NEW, mode, THR) for p in prompts[B]])
                 _, tokens, st = best["engine", mode, True]
-                same = [r.tokens for r in reqs] == tokens and (mode == "fixed" or [r.exits for r in reqs] == st["exits"])
-                checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs", equal=same))
+                same = ([r.tokens for r in reqs] == tokens
+                        and (mode == "fixed" or [r.exits for r in reqs] == st["exits"]))
+                checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs",
+                                   equal=same))
         print(f"  batch {B} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     print_gpu(runs, checks)
     out = {"bench": "engine-gpu", "model": c["gpu_shape"], "device": torch.cuda.get_device_name() if cuda else "cpu",

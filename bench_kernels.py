@@ -62,7 +62,8 @@ def checks(device, smoke):
     """bf16 (CUDA) or fp32 (the CPU interpreter) results against the fp32 reference."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-5
-    shapes = [(2, 64, 4, 32), (3, 200, 8, 64)] if smoke else [(8, 1024, 16, 128), (2, 4096, 16, 128), (64, 300, 16, 128)]
+    shapes = ([(2, 64, 4, 32), (3, 200, 8, 64)] if smoke else
+              [(8, 1024, 16, 128), (2, 4096, 16, 128), (64, 300, 16, 128)])
     out = []
     for B, ctx, H, D in shapes:
         q, k, v, ids, lengths = make_case(B, ctx, H, D, dtype, device, B * ctx + 7)
@@ -112,8 +113,8 @@ def timings(c, copy_bw):
             kv_bytes = 2 * B * ctx * H * D * 2                      # K and V, bf16
             sets = max(1, min(c["rotate"], (8 << 30) // max(kv_bytes, 1)))   # rotate while memory allows
             paged = [make_case(B, ctx, H, D, torch.bfloat16, device, seed=c["seed"] + i) for i in range(sets)]
-            dense = [(q[:, :, None], k[ids.long()].permute(0, 2, 1, 3).contiguous(), v[ids.long()].permute(0, 2, 1, 3).contiguous())
-                     for q, k, v, ids, _ in paged]                   # the same context, contiguous [B, H, ctx, D]
+            lay_out = lambda x, ids: x[ids.long()].permute(0, 2, 1, 3).contiguous()   # contiguous [B, H, ctx, D]
+            dense = [(q[:, :, None], lay_out(k, ids), lay_out(v, ids)) for q, k, v, ids, _ in paged]   # same context
             it = {"p": 0, "d": 0}
 
             def run_paged():
@@ -126,9 +127,9 @@ def timings(c, copy_bw):
                 it["d"] += 1
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v)
             t_paged, t_dense = timed(run_paged, c["iters"]), timed(run_dense, c["iters"])
-            row = {"batch": B, "context": ctx, "kv_bytes": kv_bytes, "triton_us": 1e6 * t_paged, "sdpa_us": 1e6 * t_dense,
-                   "triton_gb_s": kv_bytes / t_paged / 1e9, "of_copy_bw": kv_bytes / t_paged / copy_bw,
-                   "x_contiguous": t_paged / t_dense}
+            row = {"batch": B, "context": ctx, "kv_bytes": kv_bytes, "triton_us": 1e6 * t_paged,
+                   "sdpa_us": 1e6 * t_dense, "triton_gb_s": kv_bytes / t_paged / 1e9,
+                   "of_copy_bw": kv_bytes / t_paged / copy_bw, "x_contiguous": t_paged / t_dense}
             if flash_attn_with_kvcache is not None:
                 fa = [(q[:, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) for q, k, v in dense]
 

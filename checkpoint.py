@@ -146,8 +146,9 @@ OURO_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "num_hidden_
 
 
 def is_ouro_folder(path):
+    weights = ("model.safetensors", "model.safetensors.index.json")
     return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-            and any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "model.safetensors.index.json")))
+            and any(os.path.isfile(os.path.join(path, f)) for f in weights))
 
 
 def _safetensors():
@@ -231,7 +232,8 @@ def ouro_config(folder):
     if "head_dim" in hf and hf["head_dim"] != cfg.head_dim:
         raise UserError(f"{folder}: head_dim {hf['head_dim']} != hidden_size / num_attention_heads = {cfg.head_dim}")
     if len(hf.get("layer_types", [None] * cfg.n_layer)) != cfg.n_layer:
-        raise UserError(f"{folder}/config.json: layer_types has {len(hf['layer_types'])} entries for {cfg.n_layer} layers")
+        raise UserError(f"{folder}/config.json: layer_types has {len(hf['layer_types'])} entries for "
+                        f"{cfg.n_layer} layers")
     return cfg, hf
 
 

@@ -239,7 +239,8 @@ def declared_comments(source):
             rows.setdefault(tok.start[0], []).append(tok)
     out = {}
     for toks in rows.values():
-        if len(toks) > 2 and toks[0].type == tokenize.NAME and toks[1].string == "=" and toks[-1].type == tokenize.COMMENT:
+        assigned = len(toks) > 2 and toks[0].type == tokenize.NAME and toks[1].string == "="
+        if assigned and toks[-1].type == tokenize.COMMENT:
             out.setdefault(toks[0].string, toks[-1].string.lstrip("#").strip())
     return out
 

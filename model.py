@@ -65,7 +65,8 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise UserError(f"--n_kv_head={self.n_kv_head}: must divide --n_head={self.n_head}")
         if self.head_dim % 2:
-            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} must be even for RoPE")
+            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} must be even "
+                            "for RoPE")
 
 
 # ----------------------------------------------------------------------------- the layer

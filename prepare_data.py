@@ -66,11 +66,11 @@ DEFAULTS = dict(
     tiktoken_file="",      # a gpt2.tiktoken ranks file, to build the GPT-2 encoding offline
     tokens=10_000_000,     # fineweb_edu: how many tokens to take
     max_k=4,               # synthetic, pointer, hops: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
-    filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none; hops: never)
+    filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none)
 )
-RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "shakespeare_char", "text", "fineweb_edu"], tokenizer=["char", "gpt2"],
-             seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)", tokens="in [100, 100000000000]",
-             max_k="in [1, 4]",
+RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "shakespeare_char", "text", "fineweb_edu"],
+             tokenizer=["char", "gpt2"], seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)",
+             tokens="in [100, 100000000000]", max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 
 

@@ -56,8 +56,8 @@ DEFAULTS = dict(
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
-    head="shared",         # LM-head calls: shared (exited rows wait to share one; a fixed batch's deepest never waits) or eager
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
+    head="shared",         # LM-head calls: shared (exited rows wait to share one; a batch's deepest never waits), eager
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
@@ -67,15 +67,16 @@ DEFAULTS = dict(
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
-             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS, head=HEADS,
-             engine=ENGINES, dtype=list(DTYPES))
+             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
+             head=HEADS, engine=ENGINES, dtype=list(DTYPES))
 
 
 def check_args(c, U):
     """What RULES cannot check alone: the mode's options, and the depth against the model's U."""
     thr = c["thr"]
     mode = c["mode"] or ("dense_ragged" if thr is not None else "fixed")
-    if (c["prefill_thr"] is not None or c["prefill_schedule"] or c["prefix_full"]) and mode not in ("ete_ragged", "collapse_kv"):
+    shaped = c["prefill_thr"] is not None or c["prefill_schedule"] or c["prefix_full"]
+    if shaped and mode not in ("ete_ragged", "collapse_kv"):
         raise UserError(f"--prefill_thr/--prefill_schedule/--prefix_full shape a ragged prefill; they apply to "
                         f"--mode=ete_ragged (or collapse_kv), not {mode}")
     depth = U if c["depth"] is None else c["depth"]
@@ -96,7 +97,8 @@ def prompt_ids(c, meta, encode):
     if text.startswith("FILE:"):
         path = text[5:]
         if not os.path.isfile(path):
-            raise UserError(f"--prompt=FILE:{path}: " + ("a folder, not a file" if os.path.isdir(path) else "no such file"))
+            why = "a folder, not a file" if os.path.isdir(path) else "no such file"
+            raise UserError(f"--prompt=FILE:{path}: {why}")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -183,16 +185,17 @@ def main(argv):
     try:
         # every sample's prompt in one pass: the samples start together, and their pages lie on a
         # grid that the attention reads in place (kernels.grid_of)
-        engine = engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids), attn=c["attn"],
-                            head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
+        engine = engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids),
+                            attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise
         raise UserError(f"--num_samples={c['num_samples']}: the default pool holds every token of every sample at "
                         f"every depth ({pages} pages) and {str(e).split(': ', 1)[1]}; give fewer samples or --kv_pages")
-    reqs = [Request(ids, n_new, mode, thr, depth if mode == "fixed" else 0, c["temperature"], c["top_p"], c["top_k"],
-                    c["seed"] + s, (IM_END,) if c["chat"] else (), c["prefill_thr"], c["prefill_schedule"],
-                    c["prefix_full"]) for s in range(c["num_samples"])]
+    reqs = [Request(ids, n_new, mode, thr=thr, depth=depth if mode == "fixed" else 0, temperature=c["temperature"],
+                    top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + s, stop=(IM_END,) if c["chat"] else (),
+                    prefill_thr=c["prefill_thr"], prefill_schedule=c["prefill_schedule"], prefix_full=c["prefix_full"])
+            for s in range(c["num_samples"])]
     try:
         for r in reqs:
             engine.add(r)
@@ -224,7 +227,8 @@ def main(argv):
         print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the block, "
               f"peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)
     if c["json"]:
-        print(json.dumps({"mode": mode, "thr": None if mode == "fixed" else thr, "depth": depth if mode == "fixed" else None,
+        fixed = mode == "fixed"
+        print(json.dumps({"mode": mode, "thr": None if fixed else thr, "depth": depth if fixed else None,
                           "n_loops": U, "prompt_tokens": ids, "samples": samples}))
     return samples
 

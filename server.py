@@ -99,7 +99,8 @@ class Server:
                 try:
                     self.engine.add(r)
                 except Exception as e:
-                    r.finish_reason, r.error = "error", str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+                    why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+                    r.finish_reason, r.error = "error", why
                     r.on_token(r, None)
             try:
                 self.engine.step()
@@ -151,9 +152,9 @@ def message_text(content):
     """A chat message's content: a string, or OpenAI's list of content parts of type text (joined)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) <= {"type", "text"}
-            for p in content):
+    text_part = lambda p: (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           and set(p) <= {"type", "text"})
+    if isinstance(content, list) and content and all(text_part(p) for p in content):
         return "".join(p["text"] for p in content)
     raise BadRequest("'messages': a content must be a string or a list of {type: text, text} parts (this model "
                      "reads text only)", "messages")
@@ -196,7 +197,8 @@ def parse_request(server, body, chat):
         f["max_tokens"] = body["max_completion_tokens"]
     mode = f.get("mode", Request.mode)
     if "depth" in f and mode != "fixed":
-        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths (give 'thr')", "depth")
+        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths (give 'thr')",
+                         "depth")
     if "thr" in f and mode == "fixed":
         raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs 'depth' loops", "thr")
     reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
@@ -480,13 +482,13 @@ DEFAULTS = dict(
     host="127.0.0.1",      # address to bind (loopback unless you say otherwise)
     port=8000,             # port to listen on (0: any free port)
     kv_pages=0,            # KV pages of the shared pool (0: from --kv_memory)
-    kv_memory=0.0,         # KV pool size in GiB (0 with --kv_pages 0: max_batch full contexts at depth U, at most 2 GiB)
+    kv_memory=0.0,         # KV pool in GiB (0 with --kv_pages 0: max_batch full contexts at depth U, at most 2 GiB)
     max_batch=32,          # most requests in flight at once
     max_rows=256,          # rows per pass that prefill chunks may fill next to the decode rows
     scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all loops at once (fixed)
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU; eager; slots
+    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
     device="cpu",          # where to run (auto: CUDA when there is one)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
@@ -502,15 +504,16 @@ def main(argv):
     cfg, size = model.config, page_bytes(model)
     pages = pool_pages(model, c["kv_pages"], c["kv_memory"], c["max_batch"])
     if pages < cfg.n_loops:
-        raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth ({cfg.n_loops} pages)")
+        raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth "
+                        f"({cfg.n_loops} pages)")
     chat = encode is not None and has_chat(meta)
     engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"], c["engine"])
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
     server.verbose = c["verbose"]
     print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
-          f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; scheduler {c['scheduler']}, "
-          f"max_batch {c['max_batch']}{', chat template' if chat else ''}", file=sys.stderr)
+          f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; "
+          f"scheduler {c['scheduler']}, max_batch {c['max_batch']}{', chat template' if chat else ''}", file=sys.stderr)
     try:
         httpd.serve_forever()
     finally:

@@ -100,8 +100,8 @@ class SlotEngine:
         self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
         self.sync_every, self.head = sync_every, "eager"          # the LM head runs on every pass
         n_keys = model.config.block_size
-        self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U), n_stop,
-                           keep_logits)
+        self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U),
+                           n_stop, keep_logits)
         self.n_splits = lambda R: splits_for(R * model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
         cuda = self.device.type == "cuda"
         self.graphs = Graphs(self.slots.buffers) if (cuda if graphs == "auto" else graphs) else None
@@ -347,7 +347,8 @@ class SlotEngine:
             slot = torch.cat([torch.full((p.numel(),), i) for i, _, p in self._pages])
             depth = torch.cat([torch.arange(p.shape[1]).repeat(p.shape[0]) for _, _, p in self._pages])
             pos = torch.cat([q.repeat_interleave(p.shape[1]) for _, q, p in self._pages])
-            st.table[slot.to(dev), depth.to(dev), pos.to(dev)] = torch.cat([p.reshape(-1) for _, _, p in self._pages]).to(dev)
+            pages = torch.cat([p.reshape(-1) for _, _, p in self._pages])
+            st.table[slot.to(dev), depth.to(dev), pos.to(dev)] = pages.to(dev)
         if self.running:
             st.horizon[torch.tensor([s.slot for s in self.running], device=dev)] = torch.tensor(
                 [s.reserved for s in self.running], device=dev)

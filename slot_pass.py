@@ -62,7 +62,8 @@ class Slots:
         # (τ, full, depths), the sampler's parameters, whether it has ended, the last position
         # whose pages are reserved (horizon)
         self.table = ints(S + 1, U, n_keys, fill=pool.scratch)
-        self.ntok, self.max_tok, self.dec_n_run, self.horizon = ints(S + 1), ints(S + 1), ints(S + 1, fill=1), ints(S + 1, fill=-1)
+        self.ntok, self.max_tok = ints(S + 1), ints(S + 1)
+        self.dec_n_run, self.horizon = ints(S + 1, fill=1), ints(S + 1, fill=-1)
         self.stop_ids = ints(S + 1, n_stop, fill=-1)
         self.dec_tau, self.dec_full, self.ended = reals(S + 1, fill=FULL), flags(S + 1), flags(S + 1)
         self.seed, self.top_k = ints(S + 1), ints(S + 1)
@@ -191,7 +192,8 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
         st.logits[:, :R].index_copy_(0, at, logits[None])
     st.t += 1
     new = dict(tok=torch.where(go, pend, st.tok[:R]), pos=pos + go.long(),
-               depth=torch.where(go, 0, depth + runs_on.long()), exit=torch.where(go, 0, torch.where(newly, depth + 1, st.exit[:R])),
+               depth=torch.where(go, 0, depth + runs_on.long()),
+               exit=torch.where(go, 0, torch.where(newly, depth + 1, st.exit[:R])),
                h=torch.where(runs_on[:, None], h_next, st.h[:R]), survive=torch.where(runs_on, survive, st.survive[:R]),
                tau=torch.where(go, st.dec_tau[req], st.tau[:R]), full=torch.where(go, st.dec_full[req], st.full[:R]),
                n_run=torch.where(go, st.dec_n_run[req], st.n_run[:R]), forced=torch.where(go, 0, st.forced[:R]),
@@ -201,7 +203,8 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
         getattr(st, name)[:R] = value
 
 
-PLAIN = SimpleNamespace(start=start_rows, before=Layer.before_attention, after=Layer.after_attention, finish=finish_rows)
+PLAIN = SimpleNamespace(start=start_rows, before=Layer.before_attention, after=Layer.after_attention,
+                        finish=finish_rows)
 
 
 def compiled_phases():

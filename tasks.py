@@ -169,9 +169,9 @@ def check_item(item, where):
         if not (texts or by_ids) or not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < n:
             raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
                             f"answer index into the choices (an integer in 0..{n - 1}), not {answer!r}")
-        ok = (text(item["context"]) and isinstance(item["choices"], list) and all(text(c) and c for c in item["choices"])
-              if texts else ids(item["context_ids"]) and isinstance(item["choices_ids"], list)
-              and all(ids(c) for c in item["choices_ids"]))
+        context, choices = (item["context"], item["choices"]) if texts else (item["context_ids"], item["choices_ids"])
+        one = (lambda v: text(v) and v) if texts else ids
+        ok = (text if texts else ids)(context) and isinstance(choices, list) and all(one(v) for v in choices)
         if not ok:
             raise UserError(f"--task {where}: an mc item's context is a string and its choices non-empty strings (or "
                             "context_ids / choices_ids: non-empty lists of token ids)")
@@ -214,13 +214,14 @@ def builtin_items(kind, per_level, seed, max_k=4):
 
 def mmlu_item(r):
     letters = "ABCD"
-    text = r["question"].strip() + "\n" + "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(r["choices"])) + "Answer:"
-    return {"type": "mc", "context": text, "choices": [f" {l}" for l in letters[:len(r["choices"])]], "answer": int(r["answer"])}
+    options = "".join(f"{letters[i]}. {c}\n" for i, c in enumerate(r["choices"]))
+    return {"type": "mc", "context": r["question"].strip() + "\n" + options + "Answer:",
+            "choices": [f" {l}" for l in letters[:len(r["choices"])]], "answer": int(r["answer"])}
 
 
 def arc_item(r):
-    return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:", "choices": [f" {t}" for t in r["choices"]["text"]],
-            "answer": r["choices"]["label"].index(r["answerKey"])}
+    return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:",
+            "choices": [f" {t}" for t in r["choices"]["text"]], "answer": r["choices"]["label"].index(r["answerKey"])}
 
 
 def hellaswag_item(r):

@@ -92,7 +92,8 @@ def load_tokenizer(meta, tiktoken_file=""):
             tok = Tokenizer.from_file(meta["path"])
         except Exception as e:          # a missing, truncated or foreign file: the library's own message
             raise UserError(f"{meta['path']}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})")
-        return (lambda s: tok.encode(s, add_special_tokens=False).ids), (lambda ids: tok.decode(ids, skip_special_tokens=False))
+        encode = lambda s: tok.encode(s, add_special_tokens=False).ids
+        return encode, lambda ids: tok.decode(ids, skip_special_tokens=False)
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode

@@ -37,7 +37,7 @@ log_interval = 10            # log a training record every this many iterations
 eval_iters = 10              # val batches per evaluation
 eval_only = False            # evaluate once, print the record as JSON on stdout, write nothing
 init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly where it stopped
-branch_from = ""             # a finished run (its out_dir or ckpt.pt): start from its weights, fresh optimizer and schedule
+branch_from = ""             # a finished run (its out_dir or ckpt.pt): its weights, a fresh optimizer and schedule
 stop_iter = -1               # stop (checkpoint written) at this iteration, to split a run into jobs
 # data
 dataset = "synthetic"        # a folder under data_dir made by prepare_data.py
@@ -308,8 +308,8 @@ def check_config(c):
         if os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"--{key}={path}: exists and is not a directory")
     if is_ouro_folder(c.out_dir):
-        raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); a run's ckpt.pt beside "
-                        "it would make --ckpt ambiguous. Give a folder of its own")
+        raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); a run's ckpt.pt "
+                        "beside it would make --ckpt ambiguous. Give a folder of its own")
     if not c.eval_only:
         check_writable(c.out_dir, "out_dir")
     if c.init_from == "resume":
@@ -322,7 +322,8 @@ def check_config(c):
     elif c.branch_from:
         parent = c.branch_from if os.path.isdir(c.branch_from) else os.path.dirname(c.branch_from)
         if os.path.realpath(parent or ".") == os.path.realpath(c.out_dir):
-            raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; the parent stays untouched")
+            raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; the parent stays "
+                            "untouched")
     else:
         GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
     if c.stop_iter == 0:
@@ -594,8 +595,8 @@ def train_loop(c, run, iter_num, resumed_at):
         for m in mine:
             x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
             batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
-        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, run.prior, run.objective, b, run.ctx, run.n_micro,
-                                                run.world)
+        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, run.prior, run.objective, b, run.ctx,
+                                                run.n_micro, run.world)
         # the norm is taken after the gradient all-reduce: every process stops at the same step
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
         if not (math.isfinite(train_loss) and math.isfinite(float(norm))):
