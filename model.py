@@ -391,7 +391,9 @@ def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampl
             logits = model.lm_head(states[e - 1][0])
             pos += len(chunk)
         tok = sampler(logits)
-        ids.append(tok); new.append(tok); exits.append(e)
+        ids.append(tok)
+        new.append(tok)
+        exits.append(e)
         chunk = [tok]
     return new, exits
 

@@ -176,6 +176,7 @@ def make_tokenizer(path):
         vocab[w] = len(vocab)
     vocab["[UNK]"] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split("\n", "isolated")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                                 pre_tokenizers.Split("\n", "isolated")])
     tok.decoder = decoders.WordPiece()
     tok.save(path)

@@ -47,12 +47,14 @@ def test_bench_prints_a_consistent_json_line(capsys):
     queue = {(r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "queue"}
     batch = {(r["sampling"], r["scheduler"], r["mode"], r["head"]): r for r in out["runs"] if r["workload"] == "batch"}
     ragged = {("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in ("eager", "shared")}
-    assert set(queue) == {("fixed", "fixed", "eager")} | ragged | {("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")}
+    nested = {("nested", m, "eager") for m in ("dense_ragged", "ete_ragged")}
+    assert set(queue) == {("fixed", "fixed", "eager")} | ragged | nested
     assert set(batch) == {(s,) + k for s in ("greedy", "paper")
                           for k in {("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")} | ragged}
     for r in queue.values():
-        for key in ("thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound", "avg_decode_depth", "ideal_ratio",
-                    "ideal_cost", "head_calls", "rows_per_head_call", "weight_gb", "kv_physical", "kv_dense",
+        for key in ("thr", "batch", "tok_s", "ratio_vs_fixed", "passes", "lower_bound", "avg_decode_depth",
+                    "ideal_ratio", "ideal_cost", "head_calls", "rows_per_head_call", "weight_gb", "kv_physical",
+                    "kv_dense",
                     "sum_exits", "peak_pages", "max_in_flight", "mix_window", "mix_run"):
             assert key in r, key
         assert r["kv_physical"] == r["sum_exits"] <= r["kv_dense"] and r["tok_s"] > 0 and r["max_in_flight"] <= 2
@@ -69,7 +71,8 @@ def test_bench_prints_a_consistent_json_line(capsys):
             assert queue["continuous", mode, head]["passes"] <= 1.05 * queue["continuous", mode, head]["lower_bound"]
     for s in ("greedy", "paper"):
         for mode in ("dense_ragged", "ete_ragged"):
-            assert batch[s, "continuous", mode, "shared"]["head_calls"] <= batch[s, "continuous", mode, "eager"]["head_calls"]
+            shared, eager = batch[s, "continuous", mode, "shared"], batch[s, "continuous", mode, "eager"]
+            assert shared["head_calls"] <= eager["head_calls"]
         lanes, fixed = batch[s, "ouro_way", "fixed", "-"], batch[s, "fixed", "fixed", "eager"]
         assert lanes["ratio_vs_ouro"] == 1 and fixed["tokens_agree_with_ouro_way"] == 1
         assert fixed["passes_total"] == lanes["passes_total"] == fixed["makespan_bound"] and fixed["ideal_batch"] == 1

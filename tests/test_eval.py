@@ -77,7 +77,8 @@ def test_multiple_choice_logliks_equal_a_direct_computation(tmp_path, ckpt):
         lens = [len(ch) for ch in item["choices"]]
         assert r["pred_norm"] == max(range(len(want)), key=lambda j: want[j] / lens[j])
     run = next(x for x in runs if x["mode"] == "fixed")
-    assert run["acc"] == sum(r["correct"] for r in recs if r["mode"] == "fixed") / 3 and run["avg_depth"]["prefill"] == 2.0
+    assert run["acc"] == sum(r["correct"] for r in recs if r["mode"] == "fixed") / 3
+    assert run["avg_depth"]["prefill"] == 2.0
     dense = next(x for x in runs if x["mode"] == "dense_ragged")
     assert dense["avg_depth"]["prefill"] == 4.0       # a teacher-forced pass is a prefill: fixed@U
 
@@ -109,7 +110,8 @@ def test_generation_sweep_writes_results_records_and_plot(tmp_path, ckpt):
     assert len(runs) == 2 * (U + 4)                         # 2 tasks x (fixed@1..U + 2 modes x 2 thresholds)
     res = json.load(open(out / "results.json"))["runs"]
     for r in res:
-        assert set(r) >= {"task", "mode", "thr", "depth", "n_items", "acc", "acc_norm", "pass_at", "stderr", "avg_depth"}
+        assert set(r) >= {"task", "mode", "thr", "depth", "n_items", "acc", "acc_norm", "pass_at", "stderr",
+                          "avg_depth"}
         assert set(r["pass_at"]) == {"1", "2"} and r["pass_at"]["2"] >= r["pass_at"]["1"]
         assert set(r["avg_depth"]) == {"prefill", "decode", "overall"}
         if r["mode"] == "fixed":
@@ -164,8 +166,8 @@ def test_a_template_the_vocabulary_cannot_encode_is_blamed_not_the_prompt(tmp_pa
     prompt with characters of its own the model lacks is blamed on the item."""
     import configurator
     meta = char_meta(sorted(set(string.ascii_lowercase + " ")))
-    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=1, n_head=2, n_kv_head=2, n_embd=16,
-                               ffn_hidden=24))
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=1, n_head=2, n_kv_head=2,
+                               n_embd=16, ffn_hidden=24))
     save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": meta},
                     str(tmp_path / "ckpt.pt"))
     for prompt, says in [("two plus two", "the prompt template"), ("TWO", "item 0: characters 'OTW'")]:
@@ -199,7 +201,8 @@ def test_lm_eval_adapter_answers_a_local_task(tmp_path, ckpt):
     assert isinstance(out[0], str) and "e" not in out[0] and len(out[0]) <= 6
     rolling = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("the red cat",), 0)])
     assert rolling[0] < 0
-    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"], task_manager=TaskManager(include_path=str(tmp_path)))
+    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc", "tiny_gen"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
     assert res["results"]["tiny_mc"]["sample_len"] == 3 and 0 <= res["results"]["tiny_mc"]["acc,none"] <= 1
     assert "exact_match,none" in res["results"]["tiny_gen"]
 

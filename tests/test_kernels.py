@@ -52,11 +52,12 @@ def test_torch_reference_equals_a_float64_loop(R, Hq, Hkv, D, maxlen):
     for pad in ("minus_one", "valid_ids"):
         q, k, v, ids, lengths = random_case(R, Hq, Hkv, D, maxlen, dtype=torch.float64, pad=pad)
         scale = random.choice([None, 0.3])
-        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, scale), loop_reference(q, k, v, ids, lengths, scale),
-                              atol=1e-12, rtol=0)
+        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, scale),
+                              loop_reference(q, k, v, ids, lengths, scale), atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen", [(6, 4, 4, 16, 6), (5, 8, 2, 32, 70), (1, 4, 1, 64, 9), (40, 4, 4, 16, 64)])
+@pytest.mark.parametrize("R,Hq,Hkv,D,maxlen", [(6, 4, 4, 16, 6), (5, 8, 2, 32, 70), (1, 4, 1, 64, 9),
+                                               (40, 4, 4, 16, 64)])
 def test_chunk_attention_equals_a_float64_loop_over_the_shared_list(R, Hq, Hkv, D, maxlen):
     """The rows of one prompt chunk share one key list, each reading its own prefix of it. Rows need
     not be consecutive (rows of an ETE chunk leave as they exit); what lies past the longest row
@@ -117,15 +118,16 @@ def test_rows_on_a_grid_of_pages_are_read_in_place_and_equal_the_loop():
         assert plan[2] == (base, s_r if R > 1 else 0, s_j if n > 1 else 1)
         ref = loop_reference(q, k, v, ids, lengths)
         assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan), ref, atol=1e-12, rtol=0)
-        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=(ids.reshape(-1), None, None)), ref, atol=1e-12, rtol=0)
+        plan = (ids.reshape(-1), None, None)
+        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan), ref, atol=1e-12, rtol=0)
         if R * n > 2:
             off = ids.clone()
             r, j = random.randrange(R), random.randrange(n)
             off[r, j] = (off[r, j] + random.randint(1, P - 1)) % P      # one entry off the grid
             if not torch.equal(off, ids):
                 assert grid_of(off) is None
-                assert torch.allclose(paged_attention_torch(q, k, v, off, lengths), loop_reference(q, k, v, off, lengths),
-                                      atol=1e-12, rtol=0)
+                assert torch.allclose(paged_attention_torch(q, k, v, off, lengths),
+                                      loop_reference(q, k, v, off, lengths), atol=1e-12, rtol=0)
         if R > 1 and n > 1:
             short = lengths.clone()
             short[-1] = n - 1
@@ -223,7 +225,8 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
     from conftest import prompt, varied_model
     model = varied_model().float()
     p1, p2 = prompt(9), prompt(5)
-    reqs = lambda: [Request(p1, 8, "ete_ragged", 0.4, keep_logits=True), Request(p2, 6, "dense_ragged", 0.3, keep_logits=True)]
+    reqs = lambda: [Request(p1, 8, "ete_ragged", 0.4, keep_logits=True),
+                    Request(p2, 6, "dense_ragged", 0.3, keep_logits=True)]
     a = Engine(model, 500, attn="torch").run(reqs())
     b = Engine(model, 500, attn=attn).run(reqs())
     for x, y in zip(a, b):
@@ -233,7 +236,8 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
 
 def test_the_core_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels, model, ragged, serve_depthbatch, slot_engine, server, checkpoint, tokenizer, bench, sample, train\n"
+            "import kernels, model, ragged, serve_depthbatch, slot_engine, server, checkpoint, tokenizer\n"
+            "import bench, sample, train\n"
             "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
             "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)

@@ -8,10 +8,11 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer", "configurator", "server",
-           "objectives", "tasks",
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer",
+           "configurator", "server", "objectives", "tasks",
            "slot_engine", "slot_pass", "claims"}
-SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce", "prepare_data", "export_ouro"}
+SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce",
+           "prepare_data", "export_ouro"}
 
 
 def source_files():

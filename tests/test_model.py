@@ -245,8 +245,9 @@ def test_sampled_tokens_follow_the_softmax_of_the_nucleus(top_k, top_p):
     ids, probs = ids[probs > 0], probs[probs > 0]       # top-k masks tokens to probability 0
     N = 20_000
     pos = torch.arange(N)
+    seed = torch.full((N,), int(torch.randint(0, 2**62, ())))
     tok = sample_tokens(logits.expand(N, 6), torch.ones(N, dtype=torch.float64), torch.full((N,), top_k),
-                        torch.full((N,), top_p, dtype=torch.float64), torch.full((N,), int(torch.randint(0, 2**62, ()))), pos)
+                        torch.full((N,), top_p, dtype=torch.float64), seed, pos)
     counts = torch.bincount(tok, minlength=6)
     assert set(tok.tolist()) <= set(ids.tolist())
     expect = torch.zeros(6, dtype=torch.float64)

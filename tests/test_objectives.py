@@ -197,7 +197,8 @@ def test_eval_metrics_against_brute_force(data_dir):
     fl = [l for row in labs for l in row]
     for k in range(5):
         sel = [e for e, l in zip(flat, fl) if l == k]
-        assert m["depth_by_difficulty"][str(k)] is None if not sel else abs(m["depth_by_difficulty"][str(k)] - np.mean(sel)) < 1e-4
+        got = m["depth_by_difficulty"][str(k)]
+        assert got is None if not sel else abs(got - np.mean(sel)) < 1e-4
     for t, ev in (("0.5", flat), ("0.3", at_03)):              # the Spearman of the sweep, at each threshold
         pairs = [(e, l) for e, l in zip(ev, fl) if l > 0]
         rho = brute_spearman([e for e, _ in pairs], [l for _, l in pairs])

@@ -241,7 +241,8 @@ def test_malformed_ouro_folders_are_one_line_errors(tmp_path, case):
 
 
 def test_corrupt_tokenizer_entries_are_one_line_errors(tmp_path):
-    for meta in ([1], {"tokenizer": "char"}, {"tokenizer": "char", "chars": 5}, {"tokenizer": "pieces", "pieces": ["a", ""]},
+    for meta in ([1], {"tokenizer": "char"}, {"tokenizer": "char", "chars": 5},
+                 {"tokenizer": "pieces", "pieces": ["a", ""]},
                  {"tokenizer": "hf", "path": str(tmp_path / "missing.json")}, {"tokenizer": "bpe"}):
         with pytest.raises(UserError):
             tokenizer.load_tokenizer(meta)
@@ -254,7 +255,8 @@ def test_weights_with_nan_or_infinity_are_refused_at_load(tmp_path):
     model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=40))
     state = model.state_dict()
     key = list(state)[int(torch.randint(0, len(state), ()))]
-    state[key].view(-1)[int(torch.randint(0, state[key].numel(), ()))] = float(["nan", "inf", "-inf"][int(torch.randint(0, 3, ()))])
+    bad = float(["nan", "inf", "-inf"][int(torch.randint(0, 3, ()))])
+    state[key].view(-1)[int(torch.randint(0, state[key].numel(), ()))] = bad
     torch.save({"model": state, "model_args": vars(model.config)}, tmp_path / "ckpt.pt")
     with pytest.raises(UserError, match=f"NaN or infinity.*{key}"):
         load_checkpoint(str(tmp_path))

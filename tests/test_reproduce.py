@@ -31,7 +31,8 @@ def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions
 def hand_made():
     return [fake_run("syn-local-poisson-s1", "local", jumps=0.002, rho=0.05, fractions=(0.0, 0.1, 0.8, 0.1), depth=3.0),
             fake_run("syn-local-poisson-s2", "local", seed=2, jumps=0.004, rho=0.07),
-            fake_run("syn-global-poisson-s1", jumps=0.19), fake_run("syn-global-poisson-s2", seed=2, jumps=0.21, rho=0.35),
+            fake_run("syn-global-poisson-s1", jumps=0.19),
+            fake_run("syn-global-poisson-s2", seed=2, jumps=0.21, rho=0.35),
             fake_run("syn-global-poisson-ra-direct", ra="direct", parent="syn-global-poisson-s1", ragged=1.5),
             fake_run("syn-global-poisson-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2,
                      fixed=(2.0, 1.99, 1.98, 1.99)),
@@ -44,9 +45,9 @@ def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0), data="pointer"):
     r = fake_run(f"{prefix}-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
     r["data"] = data
     r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
-    suite = {f"fixed@{d}": {str(k): {"items": 50, "acc": accs[k - 1][d - 1], "answer_depth": float(d)} for k in range(1, 5)}
-             for d in range(1, 5)}
-    suite["ete_ragged@0.5"] = {str(k): {"items": 50, "acc": ragged[0], "answer_depth": ragged[1] + 0.5 * k} for k in range(1, 5)}
+    cell = lambda acc, depth: {"items": 50, "acc": acc, "answer_depth": depth}
+    suite = {f"fixed@{d}": {str(k): cell(accs[k - 1][d - 1], float(d)) for k in range(1, 5)} for d in range(1, 5)}
+    suite["ete_ragged@0.5"] = {str(k): cell(ragged[0], ragged[1] + 0.5 * k) for k in range(1, 5)}
     r["builtin"] = suite
     return r
 
@@ -55,7 +56,8 @@ def with_sweep(r, rho_by_thr):
     """The τ sweep of a pointer run: Spearman per τ, ETE-Ragged at every τ (accuracy 0.5, depth τ x 4 + k)."""
     r["final"]["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho_by_thr.items()}
     for t in rho_by_thr:
-        r["builtin"][f"ete_ragged@{t}"] = {str(k): {"items": 50, "acc": 0.5, "answer_depth": 4 * t + k} for k in range(1, 5)}
+        r["builtin"][f"ete_ragged@{t}"] = {str(k): {"items": 50, "acc": 0.5, "answer_depth": 4 * t + k}
+                                           for k in range(1, 5)}
     return r
 
 
@@ -69,7 +71,8 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     depth, exits = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])
     task = claims.POINTER_TASKS[data][1]                          # each task's claims under its own name
     assert depth["claim"].startswith(f"{task}, Poisson: depth buys") and exits["claim"].startswith(f"{task}, Poisson")
-    assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"] and "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
+    assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"]
+    assert "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
     # Spearman undefined (None) counts as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
     assert exits["holds"] and "global 0.250 (0.000–0.500), local 0.150 (0.100–0.200)" in exits["numbers"]
     assert "global 1.75 / 2.00 / 2.25 / 2.50" in exits["numbers"] and "0.50 at 2.50 / 0.50 at 3.00" in exits["numbers"]
@@ -88,8 +91,9 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
 
 def test_fixed_envelope_is_the_lower_envelope_of_the_fixed_depths():
     assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 2.5) == 2.5            # a mix of depths 2 and 3
-    assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0 and claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
-    assert claims.fixed_envelope([3.0, 2.0, 2.5, 2.8], 3.5) == 2.0            # a U-shaped curve: fixed@2 stays available
+    assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 1.0) == 4.0
+    assert claims.fixed_envelope([4.0, 3.0, 2.0, 1.0], 4.0) == 1.0
+    assert claims.fixed_envelope([3.0, 2.0, 2.5, 2.8], 3.5) == 2.0      # a U-shaped curve: fixed@2 stays available
     assert abs(claims.fixed_envelope([4.0, 3.9, 3.8, 1.0], 2.0) - 3.0) < 1e-12  # a mix of depths 1 and 4 beats 2 alone
 
 
@@ -126,7 +130,8 @@ def windows(fixed, ragged, depth, seed, n=160, noise=0.05):
 def test_claims_are_computed_from_the_numbers():
     cl = {c["claim"][:20]: c for c in claims.claims(hand_made(), [1, 2])}
     jumps = next(c for c in cl.values() if "large jumps" in c["claim"])
-    assert jumps["holds"] and "synthetic: global 20.0% (19.0–21.0%), local 0.3% (0.2–0.4%) (+19.7 points)" in jumps["numbers"]
+    assert jumps["holds"]
+    assert "synthetic: global 20.0% (19.0–21.0%), local 0.3% (0.2–0.4%) (+19.7 points)" in jumps["numbers"]
     ra = next(c for c in cl.values() if "direct" in c["claim"])          # no dense continuation to compare with
     assert ra["holds"] is None and ra["verdict"] == "untested" and "ragged@0.5 1.5000 (fixed@U 1.6500" in ra["numbers"]
     flat = next(c for c in cl.values() if "flat" in c["claim"])
@@ -157,9 +162,11 @@ def test_verdicts_with_windows_follow_their_intervals():
     got = claims.frontier_claim(runs)
     assert "synthetic: 8 below, 4 within noise, 4 above" in got["numbers"] and got["holds"] is False
     parent = runs[2]
-    ra = fake_run("syn-global-poisson-ra-direct", ra="direct", parent=parent["name"], windows=windows(fixed, 1.55, 2.0, seed))
+    ra = fake_run("syn-global-poisson-ra-direct", ra="direct", parent=parent["name"],
+                  windows=windows(fixed, 1.55, 2.0, seed))
     for control_loss, holds in ((1.6, True), (1.55, False)):
-        control = fake_run("syn-global-poisson-cont-dense", parent=parent["name"], windows=windows(fixed, control_loss, 2.0, seed))
+        control = fake_run("syn-global-poisson-cont-dense", parent=parent["name"],
+                           windows=windows(fixed, control_loss, 2.0, seed))
         [claim] = claims.ra_claims({r["name"]: r for r in (parent, ra, control)})
         assert claim["holds"] is holds and "RA minus dense: " in claim["numbers"], claim
 
@@ -175,7 +182,8 @@ def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
         for k in range(1, 5):
             d = (np.full(items, int(mode[6:])) if mode.startswith("fixed") else
                  np.clip(np.round(depth_of_k(k) + g.normal(0, 0.4, items)), 1, 4)).astype(int)
-            right = (g.random(items) < (0.95 if d[0] >= k else 0.1)) if mode.startswith("fixed") else g.random(items) < acc_of_k(k)
+            p = (0.95 if d[0] >= k else 0.1) if mode.startswith("fixed") else acc_of_k(k)
+            right = g.random(items) < p
             suite[mode][str(k)] = {"items": items, "acc": float(right.mean()), "answer_depth": float(d.mean()),
                                    "rollouts": {"correct": right.astype(int).tolist(), "answer_depth": d.tolist(),
                                                 "sum_exits": (d + 20).tolist()}}
@@ -231,8 +239,10 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
     assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"ete_ragged@{t}" for t in reproduce.THRS}
     assert set(ptr["final"]["difficulty_spearman_by_thr"]) == {str(t) for t in reproduce.THRS}   # the τ sweep
-    assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values()) for b in ptr["builtin"].values())
-    assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0 and "Pointer task, Uniform: depth buys accuracy" in text
+    assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values())
+               for b in ptr["builtin"].values())
+    assert ptr["trace"]["labels"] and max(ptr["trace"]["labels"]) > 0
+    assert "Pointer task, Uniform: depth buys accuracy" in text
     hop = json.load(open(os.path.join(out, "hop-local-uniform-s1337", "result.json")))
     assert set(hop["builtin"]) == set(ptr["builtin"]) and hop["data"] == "hops" and max(hop["trace"]["labels"]) > 0
     assert "dc " in tasks.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(tasks.HOP_PIECES)
@@ -247,12 +257,13 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
     reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
-    del graded["windows"]                                       # a result from before windows: its checkpoint gives them
+    del graded["windows"]                           # a result from before windows: its checkpoint gives them
     with open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json"), "w") as f:
         json.dump(graded, f)
     os.remove(os.path.join(out, "RESULTS.md"))
     reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
-    assert len(json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))["windows"]["fixed"]) == 32
+    again = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
+    assert len(again["windows"]["fixed"]) == 32
     assert os.path.isfile(os.path.join(out, "RESULTS.md"))
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     with pytest.raises(Exception, match="--only"):

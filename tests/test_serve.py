@@ -92,7 +92,8 @@ def test_decode_rows_cut_into_short_and_long_tables_equal_each_alone(monkeypatch
     e = Engine(model, 4000, max_batch=5, attn="torch")
     tables = []
     cut = rows.padded_tables
-    monkeypatch.setattr(rows, "padded_tables", lambda ends, attn: tables.append(len(cut(ends, attn))) or cut(ends, attn))
+    monkeypatch.setattr(rows, "padded_tables",
+                        lambda ends, attn: tables.append(len(cut(ends, attn))) or cut(ends, attn))
     e.run(reqs)
     assert 2 in tables
     for r in reqs:
@@ -157,8 +158,8 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
         tokens, _ = generate(model, r.prompt, r.max_tokens, "fixed", d)
         assert set(r.exits) == {d} and r.tokens == tokens and r.finish_reason == "length"
         full = torch.tensor([r.prompt + r.tokens[:-1]])
-        assert torch.allclose(torch.stack(r.logits), model(full, keep_logits=True)["logits"][d - 1][0, len(r.prompt) - 1:],
-                              atol=1e-10, rtol=0)
+        want = model(full, keep_logits=True)["logits"][d - 1][0, len(r.prompt) - 1:]
+        assert torch.allclose(torch.stack(r.logits), want, atol=1e-10, rtol=0)
 
 
 def test_a_fixed_batch_that_starts_together_reads_its_pages_in_place(monkeypatch):
@@ -285,7 +286,8 @@ def test_collapse_kv_reads_the_exit_depth_of_every_earlier_token():
             def read(q, k, v, l=l):
                 pk = torch.stack([store[l, e - 1][0][:, :, j] for j, e in enumerate(r.prompt_exits)], 2)
                 pv = torch.stack([store[l, e - 1][1][:, :, j] for j, e in enumerate(r.prompt_exits)], 2)
-                return attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), torch.ones(1, n + 1, dtype=torch.bool))
+                every = torch.ones(1, n + 1, dtype=torch.bool)
+                return attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), every)
             x = layer(x, cos, sin, read)
         xn, _, x = model.exit_heads(x)
     assert torch.allclose(r.logits[1], model.lm_head(xn[0, -1]), atol=1e-10)
@@ -325,7 +327,8 @@ def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
     eager calls, sample as many tokens, and need fewer calls."""
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
-    work = [(prompt(rng.randint(3, 12)), rng.randint(4, 12), rng.choice(["dense_ragged", "ete_ragged"])) for _ in range(6)]
+    work = [(prompt(rng.randint(3, 12)), rng.randint(4, 12), rng.choice(["dense_ragged", "ete_ragged"]))
+            for _ in range(6)]
     runs = {}
     for head in ("eager", "shared"):
         e = engine(model, 3000, head, max_batch=6, scheduler=scheduler)

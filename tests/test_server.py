@@ -44,7 +44,8 @@ def serving(seed, kv_pages, max_batch, **shape):
 
 @pytest.fixture(scope="module")
 def http_server():
-    with serving(0, 2000, 8, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=48) as (url, engine, _, enc, dec):
+    shape = dict(block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=48)
+    with serving(0, 2000, 8, **shape) as (url, engine, _, enc, dec):
         yield url, engine, enc, dec
 
 
@@ -127,7 +128,8 @@ def test_openai_client_completions_streaming_stop_and_seeds(http_server):
 @pytest.mark.parametrize("body,param", [
     (b"{not json", None), ({"prompt": 5}, "prompt"), ({"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"), ({"prompt": "a", "temperature": "hot"}, "temperature"),
-    ({"prompt": "a", "mode": "warp"}, "mode"), ({"prompt": "a", "thr": 1.5}, "thr"), ({"prompt": "a", "thr": -1}, "thr"),
+    ({"prompt": "a", "mode": "warp"}, "mode"), ({"prompt": "a", "thr": 1.5}, "thr"),
+    ({"prompt": "a", "thr": -1}, "thr"),
     ({"prompt": "a" * 80}, "prompt"), ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "stop": 5}, "stop"),
     ({"prompt": "ABC"}, "prompt"), ({"prompt": [999]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages"), ([1, 2], None),
@@ -269,8 +271,9 @@ def malformed(rng):
             (b"/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
                 rng.choice([{"type": "image_url"}, {"type": "text"}, {"type": "text", "text": 5}, "x"])]}]}).encode()),
             (b"/v1/chat/completions", json.dumps({"messages": rng.choice([[], {}, "hi", [[]]])}).encode()),
-            (b"/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}],
-                                                  "max_completion_tokens": rng.choice([0, -1, "x", 10**30])}).encode())])
+            (b"/v1/chat/completions", json.dumps({
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": rng.choice([0, -1, "x", 10**30])}).encode())])
         length = str(len(data)).encode()
     head = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: " + ctype + b"\r\n"
     if length != b"":
@@ -372,7 +375,8 @@ def test_if_the_engine_thread_stops_health_and_requests_say_so_at_once(own_serve
     assert status == 503 and time.time() - t0 < 5
 
 
-@pytest.mark.parametrize("body,param", [({"prompt": "a", "seed": 10**30}, "seed"), ({"prompt": "a", "seed": 2**64}, "seed"),
+@pytest.mark.parametrize("body,param", [({"prompt": "a", "seed": 10**30}, "seed"),
+                                        ({"prompt": "a", "seed": 2**64}, "seed"),
                                         ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
                                         ({"prompt": "a", "max_token": 3}, "max_token"),
                                         ({"prompt": "a", "temperature": 1e308}, "temperature"),
@@ -477,10 +481,10 @@ def test_a_stream_never_shows_what_a_stop_string_removes():
     rng = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     alphabet = "ab\nsu"
     for _ in range(300):
-        texts = ["".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (int(torch.randint(1, 14, ())),),
-                                                                 generator=rng)) for _ in range(2)]
-        stop = ["".join(alphabet[int(i)] for i in torch.randint(0, len(alphabet), (int(torch.randint(1, 5, ())),),
-                                                                generator=rng)) for _ in range(int(torch.randint(1, 3, ())))]
+        word = lambda longest: "".join(alphabet[int(i)] for i in torch.randint(
+            0, len(alphabet), (int(torch.randint(1, longest, ())),), generator=rng))
+        texts = [word(14) for _ in range(2)]
+        stop = [word(5) for _ in range(int(torch.randint(1, 3, ())))]
         reqs = [Request([1], len(x), stop=(), tag=i) for i, x in enumerate(texts)]
         choices = Choices(SimpleNamespace(decode=lambda ids: "".join(chr(t) for t in ids)), reqs, stop)
         streamed = ["", ""]

@@ -1,5 +1,5 @@
-"""The slot engine (slot_engine.py, its pass slot_pass.py) against the eager Engine, its reference, in float64: the same tokens,
-exits of every position, logits, pages and passes for every mode, with mixed τ, prefill options,
+"""The slot engine (slot_engine.py, its pass slot_pass.py) against the eager Engine, its reference, in float64: the
+same tokens, exits of every position, logits, pages and passes for every mode, with mixed τ, prefill options,
 sampling, stop ids, cancellation, chunked prompts, staggered arrivals and the fixed scheduler; under
 preemption, each request the same as with room to spare. One pass runs on the meta device (no value
 is read on the host) and compiles to one graph with no recompile; after every step the host's page
@@ -32,7 +32,8 @@ def mixed_requests(rng, n, fixed_depth=None):
             rng.choice([lambda: setattr(r, "prefill_thr", 0.8), lambda: setattr(r, "prefill_schedule", "cosine"),
                         lambda: setattr(r, "prefix_full", 2)])()
         if rng.random() < 0.3:
-            r.temperature, r.top_p, r.top_k, r.seed = 1.0, rng.choice([1.0, 0.8]), rng.choice([0, 5]), rng.randint(0, 2**64 - 1)
+            r.temperature, r.top_p, r.top_k = 1.0, rng.choice([1.0, 0.8]), rng.choice([0, 5])
+            r.seed = rng.randint(0, 2**64 - 1)
         if rng.random() < 0.3:
             r.stop = tuple(rng.sample(range(37), 3))
         reqs.append(r)
@@ -44,7 +45,8 @@ def drive(engine, reqs, arrive=None, cancel_at=None):
     the end, checking the page tables after every step."""
     arrive = arrive or [0] * len(reqs)
     for i, k in (cancel_at or {}).items():
-        reqs[i].on_token = lambda r, t, k=k: setattr(r, "cancelled", True) if t is not None and len(r.tokens) >= k else None
+        reqs[i].on_token = (lambda r, t, k=k: setattr(r, "cancelled", True)
+                            if t is not None and len(r.tokens) >= k else None)
     step = 0
     while step <= max(arrive) or engine.busy():
         for r, t in zip(reqs, arrive):

@@ -217,7 +217,8 @@ def test_hops_items_are_pointer_items_with_one_token_per_fact(tmp_path):
     meta = json.load(open(os.path.join(out, "meta.json")))
     encode, decode = load_tokenizer(meta)
     ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
-    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist() for f in ("val_labels.bin", "val_item_labels.bin"))
+    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist()
+                     for f in ("val_labels.bin", "val_item_labels.bin"))
     assert meta["vocab_size"] == len(tasks.HOP_PIECES) == 444 and len(ids) == len(labels) == len(spans)
     newline, seen = encode("\n")[0], set()
     ends = [i for i, t in enumerate(ids) if t == newline]
@@ -254,7 +255,8 @@ def test_graded_items_hide_their_difficulty_and_label_both_answers(tmp_path):
                                     val_fraction=0.5, seed=seed))
     encode, decode = load_tokenizer(json.load(open(os.path.join(out, "meta.json"))))
     ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
-    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist() for f in ("val_labels.bin", "val_item_labels.bin"))
+    labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist()
+                     for f in ("val_labels.bin", "val_item_labels.bin"))
     newline, seen = encode("\n")[0], []
     ends = [i for i, t in enumerate(ids) if t == newline]
     for start, end in zip(ends, ends[1:]):
@@ -270,7 +272,8 @@ def test_graded_items_hide_their_difficulty_and_label_both_answers(tmp_path):
         ks = [chase([f[:2] for f in facts], q) for q in queries]
         assert [a for a, _ in ks] == rest[1::2], toks
         answers = [start + 1 + len(facts) + 2, start + 1 + len(facts) + 4]
-        assert labels[start + 1:end] == [dict(zip(answers, [k for _, k in ks])).get(i, 0) for i in range(start + 1, end)]
+        label_at = dict(zip(answers, [k for _, k in ks]))
+        assert labels[start + 1:end] == [label_at.get(i, 0) for i in range(start + 1, end)]
         assert spans[start + 1:end] == [max(k for _, k in ks)] * (end - start - 1)
         seen += [k for _, k in ks]
     assert set(seen) == {1, 2, 3, 4} and len(ends) > 50
@@ -372,7 +375,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_dir):
     # resuming a finished run does nothing and rewrites nothing
     ckpt, log = (open(os.path.join(split, f), "rb").read() for f in ("ckpt.pt", "log.jsonl"))
     assert train.main(common + [f"--out_dir={split}", "--init_from=resume"]) is None
-    assert (open(os.path.join(split, "ckpt.pt"), "rb").read(), open(os.path.join(split, "log.jsonl"), "rb").read()) == (ckpt, log)
+    assert tuple(open(os.path.join(split, f), "rb").read() for f in ("ckpt.pt", "log.jsonl")) == (ckpt, log)
 
 
 def kill_at_step(monkeypatch, n):
@@ -549,7 +552,8 @@ def test_help_lists_every_key_with_its_comment_and_rule(capsys):
             assert comments.get(key), f"--{key} has no comment"
             line = next(l for l in out.splitlines() if l.strip().startswith(f"--{key}="))
             assert comments[key] in line
-    assert next(l for l in out.splitlines() if "--size=" in l).endswith("[in [100, 1000000000]]")   # prepare_data's rule
+    size = next(l for l in out.splitlines() if "--size=" in l)
+    assert size.endswith("[in [100, 1000000000]]")   # prepare_data's rule
 
 
 def test_config_files_parse():
