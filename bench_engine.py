@@ -532,9 +532,8 @@ def fastest(records):
 def keep_heap():
     """Keep freed CPU buffers in the process. glibc hands out buffers of a few MB (the K/V gathers of
     a pass) by mmap, returns them at free and adapts its threshold only as it goes: until it has,
-    every pass page-faults its buffers in afresh (measured: 760k faults and 2.6 s of system time in
-    a batch-32 Dense-Ragged run, none when warm), which would time the allocator, not the engine.
-    Linux/glibc only; elsewhere a no-op."""
+    every pass page-faults its buffers in afresh, which would time the allocator, not the engine
+    (docs/benchmarks.md). Linux/glibc only; elsewhere a no-op."""
     try:
         import ctypes
         mallopt = ctypes.CDLL("libc.so.6").mallopt
