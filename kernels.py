@@ -64,11 +64,11 @@ def gather_plan(page_ids, lengths, device):
     """What paged_attention_torch gathers: the flat page list, each entry past its row's length
     replaced by page 0 (never index with what lies there), the [R, 1, 1, maxlen] mask of the valid
     keys (None when every row reads its whole list), and the rows' grid (grid_of) when there is no
-    mask (then no flat list). The same in every layer of a pass: the engine computes it once per pass."""
+    mask: then paged_attention_grid reads them in place. The same in every layer of a pass: the
+    engine computes it once per pass."""
     page_ids, lengths = page_ids.to(device).long(), lengths.to(device)
     if int(lengths.min()) == page_ids.shape[1]:                # every row reads its whole list: no mask
-        grid = grid_of(page_ids)
-        return (None if grid else page_ids.reshape(-1)), None, grid
+        return page_ids.reshape(-1), None, grid_of(page_ids)
     valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths[:, None]   # [R, maxlen]
     return torch.where(valid, page_ids, 0).reshape(-1), valid[:, None, None, :], None
 
@@ -95,51 +95,65 @@ def grid_view(pages, grid, R, n):
     return pages.as_strided((R, Hkv, n, D), (s_r * page, head, s_j * page, dim), pages.storage_offset() + base * page)
 
 
+def sdpa(q, k, v, mask, scale):
+    """Queries [B, Hq, T, D] over keys and values [B, Hkv, L, D]; with GQA each K/V head serves
+    Hq/Hkv query heads."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None, plan=None):
     """The reference: gather every row's keys and values, mask what lies past its length, SDPA.
     A row's page list is its request's table column at its depth, so this reads every earlier token
-    j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11). Rows whose pages lie on a grid
-    are read in place instead (the same keys, no copy). plan: gather_plan's, if known."""
+    j at depth min(d, e_j) (Eq. 7 through the aliases of Eq. 11). plan: gather_plan's, if known."""
     R, Hq, D = q.shape
-    Hkv = k_pages.shape[1]
-    maxlen = page_ids.shape[1]
-    ids, mask, grid = plan or gather_plan(page_ids, lengths, q.device)
-    if grid is not None:
-        k, v = grid_view(k_pages, grid, R, maxlen), grid_view(v_pages, grid, R, maxlen)
-    else:
-        k = k_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # [R, Hkv, maxlen, D]; index_select:
-        v = v_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # 3x faster than k_pages[ids] on CPU
-    if Hq != Hkv:                                                  # GQA: each K/V head serves Hq/Hkv query heads
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    y = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask, scale=scale)
-    return y[:, :, 0]
+    Hkv, maxlen = k_pages.shape[1], page_ids.shape[1]
+    ids, mask, _ = plan or gather_plan(page_ids, lengths, q.device)
+    k = k_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # [R, Hkv, maxlen, D]; index_select:
+    v = v_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # 3x faster than k_pages[ids] on CPU
+    return sdpa(q[:, :, None], k, v, mask, scale)[:, :, 0]
 
 
-def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None, grid=None):
+def paged_attention_grid(q, k_pages, v_pages, grid, n, scale=None):
+    """The reference's fast path for rows whose n pages each lie on a grid of the pool (grid_of; every
+    row reads its whole list, as a batch that started together does): the same keys and values,
+    read in place through a strided view (grid_view), as Ouro's dense lanes are, with no gather."""
+    R = q.shape[0]
+    return sdpa(q[:, :, None], grid_view(k_pages, grid, R, n), grid_view(v_pages, grid, R, n), None, scale)[:, :, 0]
+
+
+def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
     """Rows that share one key list: a prompt (or replay) chunk of one request at one depth, whose
     rows all read through the same table column, row r the first lengths[r] entries of page_ids
     (1-D, [maxlen]). Equals paged_attention(q, k_pages, v_pages, page_ids.expand(R, -1), lengths),
     but gathers the keys once and runs one causal-shaped SDPA, instead of gathering a copy of the
     keys for every row: prefill attention costs O(n + L) gathers, not O(n * L).
     page_ids [G, maxlen]: G such chunks whose rows sit at the same positions (the prompts of a
-    batch that starts together), q their G * len(lengths) rows chunk by chunk, in one SDPA call.
-    grid: grid_of(page_ids), when the caller found one (the engine looks once per pass): the keys
-    are then read in place, as a dense lane is, and every entry must be a valid page."""
-    Hq, D = q.shape[1:]
-    Hkv = k_pages.shape[1]
-    (G, maxlen), T = (page_ids.shape if page_ids.dim() == 2 else (1, page_ids.shape[0])), lengths.shape[0]
-    lengths = lengths.to(q.device)
-    if grid is not None:
-        k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)   # [G, Hkv, maxlen, D]
-    else:
-        seen = torch.arange(maxlen, device=q.device) < lengths.max()
-        ids = torch.where(seen, page_ids.to(q.device).long(), 0).reshape(-1)   # entries past every length: never read
-        k = k_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
-        v = v_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
-    if Hq != Hkv:
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
-    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths[:, None]    # [T, maxlen]
-    y = F.scaled_dot_product_attention(q.view(G, T, Hq, D).transpose(1, 2), k, v, attn_mask=valid, scale=scale)
+    batch that starts together), q their G * len(lengths) rows chunk by chunk, in one SDPA call."""
+    Hkv, D = k_pages.shape[1:]
+    G, maxlen = page_ids.shape if page_ids.dim() == 2 else (1, page_ids.shape[0])
+    seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
+    ids = torch.where(seen, page_ids.to(q.device).long(), 0).reshape(-1)   # entries past every length: never read
+    k = k_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
+    v = v_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
+    return chunk_sdpa(q, k, v, lengths, scale)
+
+
+def paged_chunk_attention_grid(q, k_pages, v_pages, grid, G, maxlen, lengths, scale=None):
+    """paged_chunk_attention's fast path for G chunks whose key lists lie on a grid of the pool
+    (grid_of, found once per pass by the engine; every entry a valid page): read in place."""
+    k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)   # [G, Hkv, maxlen, D]
+    return chunk_sdpa(q, k, v, lengths, scale)
+
+
+def chunk_sdpa(q, k, v, lengths, scale):
+    """The rows of G chunks (q [G * T, Hq, D], chunk by chunk) over their chunk's keys [G, Hkv, maxlen, D],
+    row t of each the first lengths[t] of them."""
+    (G, _, maxlen, _), (Hq, D), T = k.shape, q.shape[1:], lengths.shape[0]
+    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [T, maxlen]
+    y = sdpa(q.view(G, T, Hq, D).transpose(1, 2), k, v, valid, scale)
     return y.transpose(1, 2).reshape(G * T, Hq, D)                       # [G, Hq, T, D] -> rows
 
 
@@ -352,6 +366,9 @@ def attend_pages(q, k_pages, v_pages, page_ids, lengths, impl, plan=None, scale=
     """paged_attention on inputs already checked, with an implementation already resolved: the
     engine checks a pass's tables once and calls this in every layer."""
     if impl == "torch":
+        plan = plan or gather_plan(page_ids, lengths, q.device)
+        if plan[2] is not None:                                    # on a grid: read in place
+            return paged_attention_grid(q, k_pages, v_pages, plan[2], page_ids.shape[1], scale)
         return paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale, plan)
     if impl == "triton":
         return paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale)

@@ -8,7 +8,7 @@ and when they stop; this file is what a row is and what one pass of the block re
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from kernels import attend_pages, check_inputs, gather_plan, grid_of, paged_chunk_attention
+from kernels import attend_pages, check_inputs, gather_plan, grid_of, paged_chunk_attention, paged_chunk_attention_grid
 from model import at_least_fp32
 
 
@@ -79,8 +79,9 @@ class RowsView:
             for qp, (kind, ids, lengths) in zip(qs, self.parts):
                 if kind == "rows":
                     check_inputs(qp, kl, vl, ids, lengths)
-        ys = [paged_chunk_attention(qp, kl, vl, ids, lengths, grid=plan) if kind == "chunks" else
-              attend_pages(qp, kl, vl, ids, lengths, self.impl, plan)
+        ys = [attend_pages(qp, kl, vl, ids, lengths, self.impl, plan) if kind == "rows" else
+              paged_chunk_attention_grid(qp, kl, vl, plan, *ids.shape, lengths) if plan is not None else
+              paged_chunk_attention(qp, kl, vl, ids, lengths)
               for qp, (kind, ids, lengths), plan in zip(qs, self.parts, self.plans)]
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 

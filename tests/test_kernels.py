@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from kernels import (gather_plan, grid_of, paged_attention, paged_attention_flex, paged_attention_table,
-                     paged_attention_torch, paged_attention_triton, paged_chunk_attention)
+                     paged_attention_grid, paged_attention_torch, paged_attention_triton, paged_chunk_attention,
+                     paged_chunk_attention_grid)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 
@@ -97,8 +98,9 @@ def test_stacked_chunks_at_the_same_positions_equal_the_loop_in_one_call():
             found = grid_of(ids)
             if ids is grid:
                 assert found == (base, U if G > 1 else 0, G * U if n > 1 else 1)
-            for plan in {None, found}:
-                out = paged_chunk_attention(q, k, v, ids, lengths, scale, grid=plan)
+            assert torch.allclose(paged_chunk_attention(q, k, v, ids, lengths, scale), ref, atol=1e-12, rtol=0)
+            if found is not None:
+                out = paged_chunk_attention_grid(q, k, v, found, G, n, lengths, scale)
                 assert torch.allclose(out, ref, atol=1e-12, rtol=0)
 
 
@@ -117,9 +119,9 @@ def test_rows_on_a_grid_of_pages_are_read_in_place_and_equal_the_loop():
         plan = gather_plan(ids, lengths, "cpu")
         assert plan[2] == (base, s_r if R > 1 else 0, s_j if n > 1 else 1)
         ref = loop_reference(q, k, v, ids, lengths)
+        assert torch.allclose(paged_attention_grid(q, k, v, plan[2], n), ref, atol=1e-12, rtol=0)
         assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan), ref, atol=1e-12, rtol=0)
-        plan = (ids.reshape(-1), None, None)
-        assert torch.allclose(paged_attention_torch(q, k, v, ids, lengths, plan=plan), ref, atol=1e-12, rtol=0)
+        assert torch.allclose(paged_attention(q, k, v, ids, lengths), ref, atol=1e-12, rtol=0)   # the dispatch
         if R * n > 2:
             off = ids.clone()
             r, j = random.randrange(R), random.randrange(n)
