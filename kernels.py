@@ -118,8 +118,8 @@ def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None, pl
 
 def paged_attention_grid(q, k_pages, v_pages, grid, n, scale=None):
     """The reference's fast path for rows whose n pages each lie on a grid of the pool (grid_of; every
-    row reads its whole list, as a batch that started together does): the same keys and values,
-    read in place through a strided view (grid_view), as Ouro's dense lanes are, with no gather."""
+    row reads its whole list, as a batch that started together does): the same read (Eq. 7 through
+    the pages of Eq. 11), in place through a strided view (grid_view), as Ouro's dense lanes are."""
     R = q.shape[0]
     return sdpa(q[:, :, None], grid_view(k_pages, grid, R, n), grid_view(v_pages, grid, R, n), None, scale)[:, :, 0]
 

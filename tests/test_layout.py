@@ -143,3 +143,18 @@ def test_no_tracked_text_points_outside_the_project():
             if f.endswith((".py", ".md", ".txt")) or f == "run":
                 path = os.path.join(folder, f)
                 assert outside not in open(path, encoding="utf-8", errors="replace").read(), path
+
+
+def test_read_the_code_visits_each_file_once_references_first():
+    """The reading path is one pass per file (no file comes back after another), and a reference
+    that has a row of its own is read before the rows checked against it."""
+    rows = read_the_code_rows()
+    files = [re.search(r"`([\w.]+\.py):", code).group(1) for _, _, code, _, _ in rows]
+    visits = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
+    assert len(visits) == len(set(visits)), visits
+    named = lambda text: set(re.findall(r"`([\w.]+\.py:[\w.]+)`", text))
+    in_table, seen = set().union(*(named(code) for _, _, code, _, _ in rows)), set()
+    for _, _, code, _, reference in rows:
+        for ref in named(reference) & in_table:
+            assert ref in seen, f"{ref} is read after a row checked against it"
+        seen |= named(code)
