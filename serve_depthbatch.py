@@ -32,6 +32,7 @@ benchmark is `python bench.py --what=engine`.
 import math
 import sys
 from collections import deque
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -44,18 +45,26 @@ from rows import Group, Live, RowsView, embed_new, keep_one_depth
 
 # ----------------------------------------------------------------------------- modes (§3, Table 17)
 
-# How each mode runs prompt and decode tokens: (threshold, keep running to the last depth after the
-# exit is decided, which depth every later read keeps). Thresholds: "never" = run to the last depth,
-# "thr" = the request's τ, "prefill" = the ETE prefill options (App. E.2). Keeping one depth per
-# token is the Table 17 baselines ("last" = U, "exit" = e_i).
+class Rule(NamedTuple):
+    """How one kind of token (a prompt's or a decoded one) runs in a mode."""
+    exit: str             # "never": to the last depth; "thr": the request's τ; "prefill": the ETE options (App. E.2)
+    run_full: bool        # keep running to the last depth after the exit is decided (Ouro's lanes, every depth filled)
+    keep: Optional[str]   # the one depth every later read keeps (Table 17: "last" = U, "exit" = e_i); None: Eq. 7
+
+
+class Mode(NamedTuple):
+    prompt: Rule
+    decode: Rule
+
+
 MODES = {
-    "fixed":        dict(prompt=("never", False, None), decode=("never", False, None)),
-    "ouro":         dict(prompt=("thr", True, None), decode=("thr", True, None)),
-    "dense_ragged": dict(prompt=("never", False, None), decode=("thr", False, None)),
-    "ete_ragged":   dict(prompt=("prefill", False, None), decode=("thr", False, None)),
-    "last_kv":      dict(prompt=("never", True, "last"), decode=("thr", True, "last")),
-    "shared_kv":    dict(prompt=("never", True, "last"), decode=("thr", False, "exit")),
-    "collapse_kv":  dict(prompt=("prefill", True, "exit"), decode=("thr", False, "exit")),
+    "fixed":        Mode(prompt=Rule("never", False, None), decode=Rule("never", False, None)),
+    "ouro":         Mode(prompt=Rule("thr", True, None), decode=Rule("thr", True, None)),
+    "dense_ragged": Mode(prompt=Rule("never", False, None), decode=Rule("thr", False, None)),
+    "ete_ragged":   Mode(prompt=Rule("prefill", False, None), decode=Rule("thr", False, None)),
+    "last_kv":      Mode(prompt=Rule("never", True, "last"), decode=Rule("thr", True, "last")),
+    "shared_kv":    Mode(prompt=Rule("never", True, "last"), decode=Rule("thr", False, "exit")),
+    "collapse_kv":  Mode(prompt=Rule("prefill", True, "exit"), decode=Rule("thr", False, "exit")),
 }
 SCHEDULERS = ["continuous", "nested", "fixed"]
 # When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait to
@@ -93,7 +102,8 @@ def n_run(r, U):
 
 def min_pages(r, U):
     """Pages a request needs even with every token exiting as early as it can."""
-    prompt_full = MODES[r.mode]["prompt"][0] == "never" or MODES[r.mode]["prompt"][1]
+    prompt = MODES[r.mode].prompt
+    prompt_full = prompt.exit == "never" or prompt.run_full
     return len(r.prompt) * (n_run(r, U) if prompt_full else 1) + max(r.max_tokens - 1, 0)
 
 
@@ -120,7 +130,7 @@ def check_request(r, cfg, n_pages):
              "a number in [0, 1]")]:
         if not ok:
             raise UserError(f"{key}={getattr(r, key)!r}: must be {allowed}", key)
-    if (r.prefill_thr is not None or r.prefill_schedule or r.prefix_full) and MODES[r.mode]["prompt"][0] != "prefill":
+    if (r.prefill_thr is not None or r.prefill_schedule or r.prefix_full) and MODES[r.mode].prompt.exit != "prefill":
         raise UserError(f"prefill_thr/prefill_schedule/prefix_full shape a ragged prefill; mode={r.mode} has none",
                         "mode")
     check_prompt(cfg, r.prompt, r.max_tokens)
@@ -145,7 +155,7 @@ def position_rules(r, start, end):
     taus, full, forced, keep = [], [], [], []
     ptaus = None
     for p in range(start, end):
-        kind, run_full, keep_rule = MODES[r.mode]["prompt" if p < n else "decode"]
+        kind, run_full, keep_rule = MODES[r.mode].prompt if p < n else MODES[r.mode].decode
         if kind == "prefill":
             if ptaus is None:
                 ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule, r.prefix_full).tolist()
@@ -161,13 +171,13 @@ def position_rules(r, start, end):
 
 def decode_rule(r):
     """How r's decode tokens run (its position_rules past the prompt): (τ, runs on to its last depth)."""
-    kind, run_full, _ = MODES[r.mode]["decode"]
-    return (FULL if kind == "never" else r.thr), run_full
+    rule = MODES[r.mode].decode
+    return (FULL if rule.exit == "never" else r.thr), rule.run_full
 
 
 def keeps_one_depth(r):
     """Table 17 baselines: their prompt runs whole and their tokens one at a time, as defined."""
-    return MODES[r.mode]["prompt"][2] is not None or MODES[r.mode]["decode"][2] is not None
+    return MODES[r.mode].prompt.keep is not None or MODES[r.mode].decode.keep is not None
 
 
 def chunk_end(s, budget):

@@ -220,7 +220,8 @@ class SlotEngine:
         """The fewest and the most passes a decode token of r takes: all its depths where its rows run
         to the last (fixed, Ouro mode), else 1 to all."""
         m = n_run(r, self.U)
-        return (m, m) if MODES[r.mode]["decode"][0] == "never" or MODES[r.mode]["decode"][1] else (1, m)
+        rule = MODES[r.mode].decode
+        return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
 
     def _start_chunks(self):
         """Engine._start_groups over the slots: every running request whose rows have all finished and
