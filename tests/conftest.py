@@ -100,8 +100,9 @@ def engine(model, kv_pages, head="eager", **engine_args):
 
 
 def clone(r):
-    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, r.depth, r.temperature, r.top_p, r.top_k, r.seed,
-                   tuple(r.stop), r.prefill_thr, r.prefill_schedule, r.prefix_full, keep_logits=r.keep_logits)
+    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, depth=r.depth, temperature=r.temperature,
+                   top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=tuple(r.stop), prefill_thr=r.prefill_thr,
+                   prefill_schedule=r.prefill_schedule, prefix_full=r.prefix_full, keep_logits=r.keep_logits)
 
 
 def assert_same(a, b):
