@@ -99,6 +99,26 @@ def engine(model, kv_pages, head="eager", **engine_args):
     return e
 
 
+def drive(engine, reqs, arrive=None, cancel_at=None):
+    """Add each request at its step (arrive), cancel some from their callback after k tokens; step to
+    the end, checking the page tables after every step."""
+    arrive = arrive or [0] * len(reqs)
+    for i, k in (cancel_at or {}).items():
+        reqs[i].on_token = (lambda r, t, k=k: setattr(r, "cancelled", True)
+                            if t is not None and len(r.tokens) >= k else None)
+    step = 0
+    while step <= max(arrive) or engine.busy():
+        for r, t in zip(reqs, arrive):
+            if t == step:
+                engine.add(r)
+        engine.step()
+        engine.check()
+        step += 1
+        assert step < 3000
+    assert engine.pool.used == 0
+    return reqs
+
+
 def clone(r):
     return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, depth=r.depth, temperature=r.temperature,
                    top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=tuple(r.stop), prefill_thr=r.prefill_thr,

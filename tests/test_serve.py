@@ -9,7 +9,7 @@ import torch
 
 import rows
 from configurator import UserError
-from conftest import U, alone, assert_same, engine, oracle_taus, prompt, varied_model
+from conftest import U, alone, assert_same, drive, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
 from request import Request
 from serve_depthbatch import MODES, Engine
@@ -66,14 +66,7 @@ def test_concurrent_staggered_mixed_requests_equal_each_alone(scheduler, head):
     reqs = [random_request(rng) for _ in range(7)]
     arrive = sorted(rng.randint(0, 12) for _ in reqs)
     e = engine(model, 4000, head, max_batch=5, max_rows=24, scheduler=scheduler)
-    step = 0
-    while step <= arrive[-1] or e.busy():
-        for r, t in zip(reqs, arrive):
-            if t == step:
-                e.add(r)
-        e.step()
-        e.check()
-        step += 1
+    drive(e, reqs, arrive)
     assert e.stats["max_in_flight"] >= 2
     for r in reqs:
         assert r.finish_reason == "length"

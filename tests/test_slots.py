@@ -11,7 +11,7 @@ import torch
 
 import slot_engine
 from configurator import UserError
-from conftest import U, clone, prompt, varied_model
+from conftest import U, clone, drive, prompt, varied_model
 from model import GPTConfig, LoopedLM
 from ragged import PagePool
 from request import Request
@@ -37,26 +37,6 @@ def mixed_requests(rng, n, fixed_depth=None):
         if rng.random() < 0.3:
             r.stop = tuple(rng.sample(range(37), 3))
         reqs.append(r)
-    return reqs
-
-
-def drive(engine, reqs, arrive=None, cancel_at=None):
-    """Add each request at its step (arrive), cancel some from their callback after k tokens; step to
-    the end, checking the page tables after every step."""
-    arrive = arrive or [0] * len(reqs)
-    for i, k in (cancel_at or {}).items():
-        reqs[i].on_token = (lambda r, t, k=k: setattr(r, "cancelled", True)
-                            if t is not None and len(r.tokens) >= k else None)
-    step = 0
-    while step <= max(arrive) or engine.busy():
-        for r, t in zip(reqs, arrive):
-            if t == step:
-                engine.add(r)
-        engine.step()
-        engine.check()
-        step += 1
-        assert step < 3000
-    assert engine.pool.used == 0
     return reqs
 
 
