@@ -74,6 +74,37 @@ HEADS = ["eager", "shared"]
 MAX_WAIT = 2
 
 
+class HeadQueue:
+    """The rows that exited and wait to share one LM-head call (head="shared"): [(Live, normed
+    state, passes waited)]. Every change to them goes through here; Engine._head_rows decides when
+    they go."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __bool__(self):
+        return bool(self.rows)
+
+    def join(self, exited):
+        """One more pass for the rows waiting, and the newly exited [(Live, state)] join at 0."""
+        self.rows = [(s, h, w + 1) for s, h, w in self.rows] + [(s, h, 0) for s, h in exited]
+
+    def waits(self):
+        return [(s, w) for s, _, w in self.rows]
+
+    def take(self, live=None):
+        """The rows of every request (or of one Live), out of the queue as [(Live, state)], each
+        request charged the passes its rows waited."""
+        mine = [e for e in self.rows if live is None or e[0] is live]
+        self.rows = [e for e in self.rows if not (live is None or e[0] is live)]
+        for s, _, w in mine:
+            s.waited += w
+        return [(s, h) for s, h, _ in mine]
+
+    def drop(self, live):
+        self.rows = [e for e in self.rows if e[0] is not live]
+
+
 def scheduler_for(mode):
     """The scheduler for requests all of one mode (sample.py, eval.py): fixed-depth requests go in
     waves, every token all its loops at once (no exits to decide); the others pass by pass."""
@@ -255,10 +286,10 @@ class Engine:
         self.next_id = 0
         self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
         self.last_pass, self.last_passes = [], 0
-        # the "shared" head: exited rows [(Live, normed state, passes waited)] whose token waits for a
-        # head call, and the cost model that decides how long: the weight bytes a block pass and a head
-        # call read (decode is weight-bound: a call costs about the same for 1 row as for 8)
-        self.head, self.pending, self.emitted = head, [], []
+        # the "shared" head: the exited rows whose tokens wait for a head call (HeadQueue), and the cost
+        # model that decides how long: the weight bytes a block pass and a head call read (decode is
+        # weight-bound: a call costs about the same for 1 row as for 8)
+        self.head, self.pending, self.emitted = head, HeadQueue(), []
         self.w_block, self.w_head = weight_bytes(model)
 
     def add(self, r):
@@ -295,8 +326,7 @@ class Engine:
         self._drop_cancelled()
         groups, pages = self._schedule()                  # admit, start groups, a fresh page per row and pass
         if not groups:                                     # nothing runs: the waiting rows take their head call
-            self._sample([(s, h) for s, h, _ in self.pending])
-            self.pending = []
+            self._sample(self.pending.take())
             return self.emitted
         hn, gate, h_next = self._run_block(groups, pages)  # the shared block on every row, at its own depth
         survive, keep, to_sample = self._decide_exits(groups, gate)    # Eq. 4, each row with its τ
@@ -406,24 +436,22 @@ class Engine:
         (at most U passes: it exits within U) and share its call."""
         if self.head == "eager" or self.scheduler == "fixed":   # a fixed wave's rows all exit on its last pass
             return exited
-        self.pending = [(s, h, waited + 1) for s, h, waited in self.pending] + [(s, h, 0) for s, h in exited]
-        if not self.pending:
+        self.pending.join(exited)
+        waits = self.pending.waits()
+        if not waits:
             return []
         others = (any(len(g.pos) for g in groups) or self.waiting
                   or any(s.group is None and s.done < s.runnable() for s in self.running))
         if self.waiting:
-            dear, limit = len(self.pending) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
+            dear, limit = len(waits) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
         else:
             left = {s: self._passes_left(s) for s in self.running}
             end = max(left.values())
-            dear = self.w_head < self.w_block or any(left[s] + w + 1 > end for s, _, w in self.pending)
+            dear = self.w_head < self.w_block or any(left[s] + w + 1 > end for s, w in waits)
             limit = self.U
-        if others and not dear and max(w for _, _, w in self.pending) < limit:
+        if others and not dear and max(w for _, w in waits) < limit:
             return []
-        for s, _, waited in self.pending:
-            s.waited += waited
-        out, self.pending = [(s, h) for s, h, _ in self.pending], []
-        return out
+        return self.pending.take()
 
     def _passes_left(self, s):
         """Passes a running request still needs: tokens to go x the passes each of its decode tokens
@@ -540,10 +568,8 @@ class Engine:
         its return its cache is rebuilt by a recomputation that replays them (App. A.2: memory is
         capacity, and a preempted request continues exactly as it would have). A token of s waiting
         for the shared head is sampled first; if it was the last one, s is done instead."""
-        mine = [(p, h) for p, h, _ in self.pending if p is s]
-        s.waited += sum(w for p, _, w in self.pending if p is s)
+        mine = self.pending.take(s)
         if mine:
-            self.pending = [e for e in self.pending if e[0] is not s]
             self._sample(mine)
             if s not in self.running:         # that was its last token
                 return
@@ -581,7 +607,7 @@ class Engine:
 
     def _finish(self, s, reason, error=None):
         r = s.req
-        self.pending = [e for e in self.pending if e[0] is not s]
+        self.pending.drop(s)
         if s.seq is not None:
             r.kv = dict(s.seq.stats(), block_evals=s.seq.block_evals + s.evals_before)
             s.seq.release()

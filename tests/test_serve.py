@@ -353,7 +353,7 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
 
     def checked(groups, exited):
         out = real(groups, exited)
-        waiting = e.pending
+        waiting = e.pending.rows
         assert all(w < (serve_depthbatch.MAX_WAIT if e.waiting else e.U) for _, _, w in waiting)
         if waiting and e.waiting:
             assert len(waiting) * e.w_block < e.w_head * e.max_batch
