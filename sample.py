@@ -152,11 +152,9 @@ def show_exits(tokens, exits, decode, U, prompt_text):
     return f"{prompt_text}{''.join(out)}\n-- legend: {legend}"
 
 
-def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__)
-    model, meta, encode, decode, _ = load_for_script(c)
-    U = model.config.n_loops
-    mode, thr, depth = check_args(c, U)
+def the_prompt(c, model, meta, encode):
+    """The prompt's token ids (from --prompt, FILE:, --prompt_ids; in the chat template with --chat),
+    checked against the context, and --max_new_tokens cut to what fits, with a note saying so."""
     if encode is None and c["prompt_ids"] == "":
         raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated token ids)")
     ids = prompt_ids(c, meta, encode)
@@ -174,27 +172,39 @@ def main(argv):
         print(f"note: max_new_tokens={c['max_new_tokens']} cut to {room} to fit the context "
               f"length {model.config.block_size}", file=sys.stderr)
         c["max_new_tokens"] = room
+    return ids
 
-    random.seed(c["seed"])
-    np.random.seed(c["seed"])
-    torch.manual_seed(c["seed"])
-    # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
-    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else is batched.
-    n_new = c["max_new_tokens"]
-    pages = c["kv_pages"] or c["num_samples"] * (len(ids) + n_new) * U   # default: every token at every depth
+
+def sample_engine(c, model, ids, mode):
+    """One engine for all the samples, its pool every token of every sample at every depth unless
+    --kv_pages says otherwise. Every sample's prompt runs in one pass: the samples start together,
+    and their pages lie on a grid that the attention reads in place (kernels.grid_of)."""
+    pages = c["kv_pages"] or c["num_samples"] * (len(ids) + c["max_new_tokens"]) * model.config.n_loops
     try:
-        # every sample's prompt in one pass: the samples start together, and their pages lie on a
-        # grid that the attention reads in place (kernels.grid_of)
-        engine = engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids),
-                            attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
+        return engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids),
+                          attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise
         raise UserError(f"--num_samples={c['num_samples']}: the default pool holds every token of every sample at "
                         f"every depth ({pages} pages) and {str(e).split(': ', 1)[1]}; give fewer samples or --kv_pages")
-    reqs = [Request(ids, n_new, mode, thr=thr, depth=depth if mode == "fixed" else 0, temperature=c["temperature"],
-                    top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + s, stop=(IM_END,) if c["chat"] else (),
-                    prefill_thr=c["prefill_thr"], prefill_schedule=c["prefill_schedule"], prefix_full=c["prefix_full"])
+
+
+def main(argv):
+    c = parse(argv, DEFAULTS, RULES, __file__)
+    model, meta, encode, decode, _ = load_for_script(c)
+    mode, thr, depth = check_args(c, model.config.n_loops)
+    ids = the_prompt(c, model, meta, encode)
+    random.seed(c["seed"])
+    np.random.seed(c["seed"])
+    torch.manual_seed(c["seed"])
+    # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
+    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else is batched.
+    engine, pages = sample_engine(c, model, ids, mode)
+    reqs = [Request(ids, c["max_new_tokens"], mode, thr=thr, depth=depth if mode == "fixed" else 0,
+                    temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + s,
+                    stop=(IM_END,) if c["chat"] else (), prefill_thr=c["prefill_thr"],
+                    prefill_schedule=c["prefill_schedule"], prefix_full=c["prefix_full"])
             for s in range(c["num_samples"])]
     try:
         for r in reqs:
@@ -202,12 +212,20 @@ def main(argv):
     except UserError as e:
         raise UserError(f"--kv_pages={pages}: {e}" if c["kv_pages"] else str(e))
     from tqdm import tqdm
-    with tqdm(total=len(reqs) * n_new, desc="sample", unit="tok", file=sys.stderr, disable=None, leave=False) as bar:
+    with tqdm(total=len(reqs) * c["max_new_tokens"], desc="sample", unit="tok", file=sys.stderr, disable=None,
+              leave=False) as bar:
         while engine.busy():
             bar.update(len(engine.step()))
     failed = [r for r in reqs if r.finish_reason == "error"]
     if failed:
         raise UserError(f"--kv_pages={pages} is too small for this request in mode {mode}: {failed[0].error}")
+    return report(c, reqs, ids, decode, engine, pages, (mode, thr, depth))
+
+
+def report(c, reqs, ids, decode, engine, pages, spec):
+    """Print every sample (with its exits under --show_exits; JSON under --json) and its depth and
+    KV figures on stderr. Returns the samples' records."""
+    (mode, thr, depth), U = spec, engine.model.config.n_loops
     samples = []
     for s, r in enumerate(reqs):
         rec = summarize(r, U, engine.pool.peak)
