@@ -502,14 +502,9 @@ def merge_repeated(argv, key):
     return rest + ([f"--{key}=" + ",".join(values)] if values else [])
 
 
-def main(argv):
-    c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__)
-    if c["convert"]:
-        unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
-        if unknown:
-            raise UserError(f"--convert: unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
-        check_writable(c["out"], "out")
-        return convert(c["convert"].split(","), c["out"])
+def check_args(c):
+    """Everything about the flags that can be refused before a model loads; returns the k of pass@k
+    and the tasks read from --task files {name: items}."""
     ks = [int(k) for k in str(c["k"]).split(",")]
     if max(ks) > c["n"]:
         raise UserError(f"--k={c['k']}: pass@k needs k <= --n={c['n']} rollouts per item")
@@ -524,15 +519,61 @@ def main(argv):
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
-    model, meta, encode, decode, eos = load_for_script(c)
-    device = model.lm_head.weight.device
-    U = model.config.n_loops
+    return ks, tasks
+
+
+def mode_specs(c, U):
+    """The (mode, thr, depth) to score: the App. E.1 sweep, or --modes (default fixed@U and both
+    ragged modes at τ 0.5)."""
     if c["sweep"]:
         thrs = [float(t) for t in c["thresholds"].split(",")]
-        specs = [("fixed", None, k) for k in range(1, U + 1)] + [(m, t, None) for m in ("dense_ragged", "ete_ragged")
-                                                                 for t in thrs]
-    else:
-        specs = parse_modes(c["modes"] or f"fixed@{U},dense_ragged@0.5,ete_ragged@0.5", U)
+        return [("fixed", None, k) for k in range(1, U + 1)] + [(m, t, None) for m in ("dense_ragged", "ete_ragged")
+                                                                for t in thrs]
+    return parse_modes(c["modes"] or f"fixed@{U},dense_ragged@0.5,ete_ragged@0.5", U)
+
+
+def score_task(model, task, items, specs, c, encode, decode, ks):
+    """Every mode on one task's scored items (after --shots exemplars, up to --limit): the runs'
+    summaries and the per-item records."""
+    shots, scored = items[:c["shots"]], items[c["shots"]:]
+    if c["limit"]:
+        scored = scored[:c["limit"]]
+    if not scored:
+        raise UserError(f"--shots={c['shots']}: task {task} has no items left to score")
+    runs, records, device = [], [], model.lm_head.weight.device
+    for spec in specs:
+        for kind in ("mc", "gen"):
+            group = [it for it in scored if it["type"] == kind]
+            if not group:
+                continue
+            exemplars = [s for s in shots if s["type"] == kind]
+            summary, recs = (run_mc(model, group, task, spec, c, encode, device, exemplars) if kind == "mc" else
+                             run_gen(model, group, task, spec, c, encode, decode, exemplars, ks))
+            run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None,
+                       acc_norm=None, pass_at=None, stderr=None, avg_depth=None)
+            run.update(summary)
+            if any(r.get("difficulty") for r in recs):
+                run["by_difficulty"] = by_difficulty(recs)
+            runs.append(run)
+            records.extend(recs)
+            depths = ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None)
+            print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score_of(run):.3f} (n={len(group)}); "
+                  f"avg depth {depths}", file=sys.stderr)
+    return runs, records
+
+
+def main(argv):
+    c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__)
+    if c["convert"]:
+        unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
+        if unknown:
+            raise UserError(f"--convert: unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
+        check_writable(c["out"], "out")
+        return convert(c["convert"].split(","), c["out"])
+    ks, tasks = check_args(c)
+    model, meta, encode, decode, eos = load_for_script(c)
+    U = model.config.n_loops
+    specs = mode_specs(c, U)
     needs_text = any("prompt" in it or "context" in it for items in tasks.values() for it in items)
     if encode is None and (needs_text or c["builtin"] or c["lm_eval"]):
         raise UserError("this checkpoint has no tokenizer: give tasks with context_ids / choices_ids / prompt_ids")
@@ -545,36 +586,11 @@ def main(argv):
     torch.manual_seed(c["seed"])
     runs, records = [], []                               # --out is written at the end only: a bad item changes nothing
     for task, items in tasks.items():
-        shots, scored = items[:c["shots"]], items[c["shots"]:]
-        if c["limit"]:
-            scored = scored[:c["limit"]]
-        if not scored:
-            raise UserError(f"--shots={c['shots']}: task {task} has no items left to score")
-        for spec in specs:
-            mc = [it for it in scored if it["type"] == "mc"]
-            gen = [it for it in scored if it["type"] == "gen"]
-            for kind, group in (("mc", mc), ("gen", gen)):
-                if not group:
-                    continue
-                if kind == "mc":
-                    summary, recs = run_mc(model, group, task, spec, c, encode, device,
-                                           [s for s in shots if s["type"] == "mc"])
-                else:
-                    summary, recs = run_gen(model, group, task, spec, c, encode, decode,
-                                            [s for s in shots if s["type"] == "gen"], ks)
-                run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None,
-                           acc_norm=None, pass_at=None, stderr=None, avg_depth=None)
-                run.update(summary)
-                if any(r.get("difficulty") for r in recs):
-                    run["by_difficulty"] = by_difficulty(recs)
-                runs.append(run)
-                records.extend(recs)
-                score = score_of(run)
-                depths = ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None)
-                print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score:.3f} (n={len(group)}); "
-                      f"avg depth {depths}", file=sys.stderr)
+        task_runs, task_records = score_task(model, task, items, specs, c, encode, decode, ks)
+        runs += task_runs
+        records += task_records
     if c["lm_eval"]:
-        runs += run_lm_eval(model, encode, decode, specs, c, device)
+        runs += run_lm_eval(model, encode, decode, specs, c, model.lm_head.weight.device)
     write_json(os.path.join(c["out"], "results.json"),
                {"ckpt": c["ckpt"], "config": {k: c[k] for k in ("n", "k", "shots", "chat", "max_tokens", "temperature",
                                                                  "top_p", "top_k", "seed")}, "runs": runs})
