@@ -254,28 +254,34 @@ def generation_engine(model, c, mode):
                       head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
 
 
+def gen_prompt_ids(item, shots, c, encode):
+    """An item's prompt as token ids: its prompt_ids, or its text in the App. D template (or the
+    chat template of App. E.1). The item's own text is encoded first, so that a failure there is
+    the item's, and one in the template's text says so."""
+    if "prompt_ids" in item:
+        return list(item["prompt_ids"])
+    encode(item["prompt"])
+    text = gen_prompt_text(item, shots, c["chat"])
+    try:
+        if c["chat"]:                                    # App. E.1: Ouro Thinking, thinking on
+            return chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
+        return encode(text)
+    except UserError as e:
+        raise UserError(f"the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') adds text "
+                        f"this model cannot encode: {e}; give prompt_ids, or extract='prefix' with "
+                        f"--shots=0") from None
+
+
 def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     """n rollouts per item through the engine; stop text cuts a rollout (and frees its pages)."""
     mode, thr, depth = spec
-    U = model.config.n_loops
     engine = generation_engine(model, c, mode)
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
     eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
     reqs = []
     for i, item in enumerate(items):
         with item_errors(task, i):
-            if "prompt_ids" in item:
-                ids = list(item["prompt_ids"])
-            else:
-                encode(item["prompt"])                # the item's own text first: a failure here is the item's
-                text = gen_prompt_text(item, shots, c["chat"])
-                try:
-                    ids = (chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
-                           if c["chat"] else encode(text))   # App. E.1: Ouro Thinking, thinking on
-                except UserError as e:
-                    raise UserError(f"the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') adds text "
-                                    f"this model cannot encode: {e}; give prompt_ids, or extract='prefix' with "
-                                    f"--shots=0") from None
+            ids = gen_prompt_ids(item, shots, c, encode)
         cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"], model.config.block_size - len(ids))
         if cap < 1:
             raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "
@@ -302,6 +308,13 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     failed = [r for r in reqs if r.finish_reason == "error"]
     if failed:
         raise UserError(f"--kv_pages: {failed[0].error}")
+    return score_rollouts(items, reqs, task, spec, stop, decode, ks, model.config.n_loops)
+
+
+def score_rollouts(items, reqs, task, spec, stop, decode, ks, U):
+    """Each item's rollouts against its answer (cut at the stop text): the records, unbiased pass@k
+    over the items with its standard error, and the depths every run took."""
+    mode, thr, depth = spec
     records, per_k = [], {k: [] for k in ks}
     pe, de = [], []
     for i, item in enumerate(items):
