@@ -174,6 +174,24 @@ def get_batch(data, c, starts, device):
     return x.to(device), y.to(device)
 
 
+def load_data(c, vocab_size):
+    """The dataset's train and val ids, and its val labels where it has them (the difficulty of
+    each token, of each token's item: None otherwise), checked against the context and the
+    vocabulary."""
+    train, val = load_split(c, "train"), load_split(c, "val")
+    labels = [os.path.join(c.data_dir, c.dataset, f) for f in ("val_labels.bin", "val_item_labels.bin")]
+    labels = [np.memmap(p, dtype=np.uint8, mode="r") if os.path.isfile(p) else None for p in labels]
+    for name, split in (("train", train), ("val", val)):
+        if len(split) <= c.block_size + 1:
+            raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
+                            "tokens; it needs more than block_size + 1")
+        top = max(int(split[i:i + 2**26].max()) for i in range(0, len(split), 2**26))   # a pass over the ids
+        if top >= vocab_size:
+            raise UserError(f"--dataset={c.dataset}: its {name} split holds token id {top}, outside the vocabulary of "
+                            f"{vocab_size} (meta.json and the ids disagree); prepare it again")
+    return train, val, *labels
+
+
 def unigram_loss(train, val, vocab_size):
     """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat."""
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1
@@ -453,19 +471,7 @@ def main(argv):
     exit_gen = torch.Generator().manual_seed(c.seed + 2)   # sampled exits of ragged steps
     model, optimizer, iter_num, resumed_at = start_model(c, meta, device, master, data_gen, exit_gen, given)
     meta = meta or dataset_meta(c, master, world)          # a resumed run: the dataset it was trained on
-    train, val = load_split(c, "train"), load_split(c, "val")
-    label_path = os.path.join(c.data_dir, c.dataset, "val_labels.bin")
-    labels = np.memmap(label_path, dtype=np.uint8, mode="r") if os.path.isfile(label_path) else None
-    item_path = os.path.join(c.data_dir, c.dataset, "val_item_labels.bin")
-    item_labels = np.memmap(item_path, dtype=np.uint8, mode="r") if os.path.isfile(item_path) else None
-    for name, split in (("train", train), ("val", val)):
-        if len(split) <= c.block_size + 1:
-            raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
-                            "tokens; it needs more than block_size + 1")
-        top = max(int(split[i:i + 2**26].max()) for i in range(0, len(split), 2**26))   # a pass over the ids
-        if top >= model.config.vocab_size:
-            raise UserError(f"--dataset={c.dataset}: its {name} split holds token id {top}, outside the vocabulary of "
-                            f"{model.config.vocab_size} (meta.json and the ids disagree); prepare it again")
+    train, val, labels, item_labels = load_data(c, model.config.vocab_size)
     ctx = autocast(c, device)
     U = model.config.n_loops
     prior = exit_prior(c.prior, U, c.prior_lambda).to(device)
