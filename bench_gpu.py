@@ -204,17 +204,7 @@ def bench_gpu(c):
         configs = [(k, m, "ready") for k, m, _ in configs] + configs
     runs, checks, rounds = [], [], max(c["rounds"], 3)
     for B in batches:
-        runners = {cf: build(model, B, cf, fused) for cf in configs}
-        results = {}
-        for cf in configs:                            # a warm-up run compiles and captures
-            t0 = time.perf_counter()
-            results[cf] = [run_config(model, prompts[B], cf, runners[cf])]
-            print(f"  batch {B} {cf}: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        for i in range(rounds):
-            for cf in configs:
-                if cf[2] is not False or i == 0:      # eager runs are slow and steady: one after the warm-up
-                    results[cf].append(run_config(model, prompts[B], cf, runners[cf]))
-        best = {cf: min(rs, key=lambda r: r[0]) for cf, rs in results.items()}
+        best = time_configs(model, prompts[B], configs, fused, rounds)
         graphed = True if cuda else "ready"
         ref_fixed, ref_ouro = best["engine", "fixed", graphed], best["ouro_way", "fixed", graphed]
         ouro_eager = best["ouro_way", "fixed", False]
@@ -232,16 +222,8 @@ def bench_gpu(c):
                              x_ouro_way_graphed=round(ref_ouro[0] / seconds, 4),
                              x_ouro_way_eager=round(ouro_eager[0] / seconds, 4),
                              paper_h100_eager=PAPER_H100_EAGER.get(B, (None, None))[0 if mode == "fixed" else 1]))
-        for mode in ("fixed", "dense_ragged", "ete_ragged"):     # graphs replay exactly what the same passes compute
-            if cuda:
-                plain = SlotEngine(model, B * (N_PROMPT + N_NEW) * U, max_batch=B, max_rows=B * N_PROMPT,
-                                   scheduler="fixed" if mode == "fixed" else "continuous", graphs=False, fuse=True)
-                reqs = plain.run([Request(p, N_NEW, mode, THR) for p in prompts[B]])
-                _, tokens, st = best["engine", mode, True]
-                same = ([r.tokens for r in reqs] == tokens
-                        and (mode == "fixed" or [r.exits for r in reqs] == st["exits"]))
-                checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs",
-                                   equal=same))
+        if cuda:
+            checks += replay_checks(model, prompts[B], best)
         print(f"  batch {B} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     print_gpu(runs, checks)
     out = {"bench": "engine-gpu", "model": c["gpu_shape"], "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -253,6 +235,37 @@ def bench_gpu(c):
         with open(c["out"], "w") as f:
             json.dump(out, f, indent=1)
     return out
+
+
+def time_configs(model, prompts, configs, fused, rounds):
+    """Every configuration on one batch: a warm-up run (it compiles and captures), then `rounds`
+    rounds in turns (an eager run once: eager runs are slow and steady). The fastest of each."""
+    B = len(prompts)
+    runners = {cf: build(model, B, cf, fused) for cf in configs}
+    results = {}
+    for cf in configs:
+        t0 = time.perf_counter()
+        results[cf] = [run_config(model, prompts, cf, runners[cf])]
+        print(f"  batch {B} {cf}: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    for i in range(rounds):
+        for cf in configs:
+            if cf[2] is not False or i == 0:
+                results[cf].append(run_config(model, prompts, cf, runners[cf]))
+    return {cf: min(rs, key=lambda r: r[0]) for cf, rs in results.items()}
+
+
+def replay_checks(model, prompts, best):
+    """Graphs replay exactly what the same passes compute: the slot engine without graphs (the same
+    kernels) gives the graphed runs' tokens, and exits, in every mode."""
+    B, U, checks = len(prompts), model.config.n_loops, []
+    for mode in ("fixed", "dense_ragged", "ete_ragged"):
+        plain = SlotEngine(model, B * (N_PROMPT + N_NEW) * U, max_batch=B, max_rows=B * N_PROMPT,
+                           scheduler="fixed" if mode == "fixed" else "continuous", graphs=False, fuse=True)
+        reqs = plain.run([Request(p, N_NEW, mode, THR) for p in prompts])
+        _, tokens, st = best["engine", mode, True]
+        same = [r.tokens for r in reqs] == tokens and (mode == "fixed" or [r.exits for r in reqs] == st["exits"])
+        checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs", equal=same))
+    return checks
 
 
 def print_gpu(runs, checks):
