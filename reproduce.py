@@ -495,19 +495,20 @@ def main(argv):
         raise UserError(f"--only: unknown run {unknown[0]!r}; runs: {', '.join(runs)}")
     order = [runs[n]["parent"] for n in wanted if runs[n].get("parent")] + wanted
     check_size(c["out"], size)
+    finished = lambda name: os.path.isfile(os.path.join(c["out"], name, "result.json"))
+    if c["report"] and not any(finished(n) for n in runs):
+        raise UserError(f"--report: --out={c['out']} holds no finished run of the --{size} grid to report on")
     os.makedirs(c["out"], exist_ok=True)
     write_json(os.path.join(c["out"], "grid.json"), {"size": size})
     if not c["report"]:
         prepare(c, size, os.path.join(c["out"], "data"))
     for name in dict.fromkeys(order):
-        if not c["report"] or os.path.isfile(os.path.join(c["out"], name, "result.json")):
+        if not c["report"] or finished(name):
             run_one(name, runs[name], c, size, runs)
     results = []                  # the report covers every finished run of the grid, not only these
-    for name in runs:
-        path = os.path.join(c["out"], name, "result.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                results.append(json.load(f))
+    for name in filter(finished, runs):
+        with open(os.path.join(c["out"], name, "result.json")) as f:
+            results.append(json.load(f))
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
     write_results(results, c, size, seeds, figures)

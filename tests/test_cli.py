@@ -114,7 +114,8 @@ CASES = [
     (server, ["--ckpt=out", "--kv_pages=2"], "kv_pages"), (server, ["--device=cuda"], "device"),
     (reproduce, [], "quick"), (reproduce, ["--quick", "--full"], "full"),
     (reproduce, ["--quick", "--seeds=0"], "seeds"),
-    (reproduce, ["--quick", "--input=missing.txt"], "input"), (reproduce, ["--quick", "--only=nope"], "only"),
+    (reproduce, ["--quick", "--input=missing.txt"], "input"),
+    (reproduce, ["--quick", "--report", "--out=no_runs"], "report"), (reproduce, ["--quick", "--only=nope"], "only"),
     # numbers: finite, 64-bit, and bounded where a huge value would hang or crash
     (train, ["--seed=4294967296"], "seed"), (sample, ["--seed=99999999999"], "seed"),
     (train, ["--learning_rate=1e999"], "learning_rate"), (train, ["--prior_lambda=1e999"], "prior_lambda"),
