@@ -66,10 +66,10 @@ RULES = dict(seeds=">= 1", seed=SEED_RULE)
 SIZES = {
     "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64",
                         "--block_size=32",
-                        "--batch_size=8", "--max_iters=16", "--eval_interval=8", "--eval_iters=2", "--warmup_iters=4",
+                        "--batch_size=8", "--max_iters=16", "--eval_interval=16", "--eval_iters=2", "--warmup_iters=4",
                         "--log_interval=4"], branch_iters=6, synthetic_chars=120_000, pointer_items=2,
                   data_args={"pointer": ["--block_size=64"]},   # a k = 4 pointer item's prompt is 53 characters
-                  task_seeds=1, windows=32),
+                  task_seeds=1, windows=16),
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250",
                        "--eval_iters=10", "--warmup_iters=100", "--log_interval=25"],
                  branch_iters=500, synthetic_chars=5_000_000, pointer_items=50,

@@ -227,7 +227,7 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 41 and all(len(r["windows"]["fixed"]) == 32 for r in results)
+    assert len(results) == 41 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
     assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 41
@@ -263,7 +263,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     os.remove(os.path.join(out, "RESULTS.md"))
     reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
     again = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
-    assert len(again["windows"]["fixed"]) == 32
+    assert len(again["windows"]["fixed"]) == 16
     assert os.path.isfile(os.path.join(out, "RESULTS.md"))
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     with pytest.raises(Exception, match="--only"):
