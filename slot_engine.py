@@ -143,16 +143,7 @@ class SlotEngine:
         if r.keep_logits and self.slots.logits is None:
             raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
 
-    def busy(self):
-        return bool(self.waiting or self.running)
-
-    def run(self, requests):
-        """Add requests and step until all have finished. Returns them."""
-        for r in requests:
-            self.add(r)
-        while self.busy():
-            self.step()
-        return requests
+    busy, run = Engine.busy, Engine.run          # the eager engine's: whether work is left, and add-then-step
 
     @torch.inference_mode()
     def step(self):
