@@ -198,6 +198,7 @@ def test_graded_claims_and_tables_from_rollouts():
     R = {r["name"]: r for r in rising + flat}
     need, rise = claims.graded_claims(R)
     assert need["holds"] and "k=4: fixed@4 minus fixed@3" in need["numbers"]
+    assert "k = 1/2/3/4: local 1/2/3/4, global 1/2/3/4" in need["numbers"]       # fixed@d right from d = k on
     assert rise["holds"] and "global minus local" in rise["numbers"]
     lines = claims.graded_tables(R)
     per_k = [l for l in lines if l.count("|") == 8]                 # model, mode, k and four values
