@@ -317,6 +317,11 @@ def rollouts(suite, mode, k, key):
     return None if not cell or "rollouts" not in cell else np.asarray(cell["rollouts"][key], dtype=float)
 
 
+def deepest(suite):
+    """U: the deepest fixed@d a builtin suite was scored at."""
+    return max(int(m.split("@")[1]) for m in suite if m.startswith("fixed@"))
+
+
 def graded_runs(R, scope):
     return [r for n, r in sorted(R.items()) if n.startswith(f"grd-{scope}-poisson-s") and r.get("builtin")]
 
@@ -339,7 +344,7 @@ def graded_claims(R):
         needs.append(sign_of(reps) > 0 and value >= 0.1)
         notes.append(f"k={k}: fixed@{k} minus fixed@{k - 1} {ci(value, reps)}")
     n = {s: len(rs) for s, rs in runs.items()}
-    U = max(int(m.split("@")[1]) for m in suites["global"][0] if m.startswith("fixed@"))
+    U = deepest(suites["global"][0])
     out = [dict(claim="Graded task (hidden k): each k needs its depth at the answer (fixed@k clearly above "
                       "fixed@k-1 on k look-ups), the precondition of the next claim",
                 numbers=f"builtin suite, greedy, accuracy on k look-ups, {n['local']} local + {n['global']} global "
@@ -379,7 +384,7 @@ def graded_tables(R):
     models = [(m, [r["builtin"] for r in rs]) for m, rs in models if rs]
     if not models:
         return []
-    U = max(int(m.split("@")[1]) for m in models[0][1][0] if m.startswith("fixed@"))
+    U = deepest(models[0][1][0])
     levels = sorted({int(k) for k in models[0][1][0]["fixed@1"]})
     stat = lambda suites, mode, k, key: replicates([(rollouts(b, mode, k, key),) for b in suites])
     lines = ["## The graded task, per k", "",

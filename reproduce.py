@@ -160,12 +160,12 @@ def run_one(name, spec, c, size, runs):
     written before results held per-window losses gets them from its checkpoint, where it has one."""
     folder = os.path.join(c["out"], name)
     result_path = os.path.join(folder, "result.json")
-    budget = SIZES[size]
+    budget, data = SIZES[size], os.path.join(c["out"], "data", spec["data"])
     if os.path.isfile(result_path):
         with open(result_path) as f:
             result = json.load(f)
         if "windows" not in result and os.path.isfile(os.path.join(folder, "ckpt.pt")):
-            result["windows"] = window_losses(folder, os.path.join(c["out"], "data", spec["data"]), budget["windows"])
+            result["windows"] = window_losses(folder, data, budget["windows"])
             write_json(result_path, result)
         return result
     args = budget["base"] + budget["data_args"].get(spec["data"], []) + spec["args"] + [
@@ -187,9 +187,9 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
-    result["windows"] = window_losses(folder, os.path.join(c["out"], "data", spec["data"]), budget["windows"])
+    result["windows"] = window_losses(folder, data, budget["windows"])
     if spec["data"] != "shakespeare":
-        result["trace"] = exit_trace(folder, os.path.join(c["out"], "data", spec["data"]))
+        result["trace"] = exit_trace(folder, data)
     if spec["data"] in POINTER_TASKS:
         result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"],
                                              len(evals[-1]["val_loss_fixed"]))
