@@ -429,7 +429,8 @@ def counted_step(e, counts):
     The work-conserving bound (App. A.2) is Σ (depths run by requests) / B over the passes in which
     requests wait, enough to fill the batch ("steady"): a scheduler that runs every pass full
     reaches it. A prompt chunk counts as one slot of the batch, as a decode token does."""
-    steady = len(e.waiting) > 0 and len(e.waiting) + len(e.running) >= e.max_batch
+    q = e.scheduler
+    steady = len(q.waiting) > 0 and len(q.waiting) + len(q.running) >= q.max_batch
     out = e.step()
     if e.last_pass:
         n = e.last_passes                                   # a fixed wave: n passes of the same rows
@@ -477,7 +478,7 @@ def timed_step(run):
     """One engine step, timed; counted in the throughput window from the end of the first request
     to the last admission."""
     e, counts = run["engine"], run["counts"]
-    measured = len(e.waiting) > 0 and len(e.finished) > 0
+    measured = len(e.scheduler.waiting) > 0 and len(e.finished) > 0
     before = counts["prefill_rows"], counts["decode_rows"]
     t0 = time.perf_counter()
     out = counted_step(e, counts)
@@ -509,7 +510,7 @@ def bench_record(run, thr, batch):
     avg_run = sum(dec) / max(len(dec), 1)
     win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]   # token i was sampled at decode row i - 1
     avg = sum(win) / len(win) if win else avg_run
-    return dict(scheduler=e.scheduler, mode=mode, head=e.head, thr=None if mode == "fixed" else thr, batch=batch,
+    return dict(scheduler=e.scheduler.kind, mode=mode, head=e.head, thr=None if mode == "fixed" else thr, batch=batch,
                 tok_s=len(run["window_tokens"]) / window_seconds if window_seconds else None,
                 tok_s_total=tokens / seconds, seconds=seconds, window_seconds=window_seconds,
                 mix_window=run["window_rows"][0] / max(run["window_rows"][1], 1),

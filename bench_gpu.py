@@ -31,7 +31,8 @@ from model import GPTConfig, LoopedLM, attention, forward_lanes, threshold_exit
 from ragged import DenseLanes, StaticLanes
 from request import Request, sample_token
 from serve_depthbatch import Engine, weight_bytes
-from slot_engine import Graphs, SlotEngine
+from slot_engine import SlotEngine
+from slot_pass import Graphs
 from slot_pass import PLAIN, compiled_phases
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds

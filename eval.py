@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import sys
 
 import numpy as np
@@ -31,12 +30,14 @@ import torch
 from checkpoint import load_for_script, write_json
 from configurator import DTYPES, SEED_RULE, UserError, check_writable, device_rule, parse, run_cli
 from kernels import IMPLS
-from model import exit_stats, forward_ragged, threshold_exit
+from model import exit_stats
+from modes import MODES, SCORED, continuation_logprobs
 from ragged import pool_pages
 from request import Request
-from serve_depthbatch import HEADS, MODES, scheduler_for
+from scheduler import scheduler_for
+from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
-from tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, load_task, shot_text, write_lines
+from tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -86,9 +87,6 @@ RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_ite
 
 # ----------------------------------------------------------------------------- modes
 
-SCORED = ["fixed", "ouro", "dense_ragged", "ete_ragged"]   # the MODES with a teacher-forced score (not Table 17's)
-
-
 def parse_modes(text, U):
     """'fixed@2,ete_ragged@0.5' -> [(mode, thr, depth)] (thr None for fixed, depth None otherwise)."""
     out = []
@@ -118,34 +116,6 @@ def mode_name(mode, thr, depth):
 
 # ----------------------------------------------------------------------------- scoring
 
-ANSWER_IS = re.compile(r"the answer is\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\s.])\.(?:\s|$))", re.IGNORECASE)
-
-
-def normalize(ans):
-    """Harmless formatting only: surrounding whitespace, trailing punctuation, quotes, bold, $."""
-    prev = None
-    while prev != ans:
-        prev, ans = ans, ans.strip().rstrip(".,;:!").strip("*`\"'$ ")
-    return ans
-
-
-def extract_answer(text):
-    """Strict extraction (App. E.1): the last 'the answer is ...' in the text, up to the end of its
-    sentence or line; None when there is no such phrase."""
-    found = ANSWER_IS.findall(text)
-    return normalize(found[-1]) if found else None
-
-
-def is_correct(item, completion_text, completion_ids):
-    if item.get("extract", "answer_is") == "prefix":
-        if "answer_ids" in item:
-            head = completion_ids[:len(item["answer_ids"])]
-            return head == item["answer_ids"], head
-        return completion_text.startswith(item["answer"]), completion_text[:len(item["answer"])]
-    ans = extract_answer(completion_text)
-    return ans is not None and ans == normalize(item["answer"]), ans
-
-
 def pass_at_k(n, c, k):
     """Unbiased pass@k (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
     if n - c < k:
@@ -158,49 +128,6 @@ def mean_stderr(xs):
     if len(xs) == 0:
         return None, None
     return float(xs.mean()), float(xs.std(ddof=1) / math.sqrt(len(xs))) if len(xs) > 1 else 0.0
-
-
-@torch.no_grad()
-def continuation_logprobs(model, pairs, mode, thr, depth, batch_size, device):
-    """pairs [(context ids, continuation ids)] -> [(Σ log p(continuation | context), greedy?, exits
-    of the positions that predicted the continuation)], teacher-forced, in batches (right padding:
-    causal attention keeps it out of every real position). fixed@k reads depth k; ETE-Ragged the
-    exits each position would take (Eq. 4, 7); Ouro mode the threshold exit on full lanes;
-    Dense-Ragged is fixed@U (a teacher-forced pass is a prefill)."""
-    U, T_max = model.config.n_loops, model.config.block_size
-    out = [None] * len(pairs)
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        seqs = [(pairs[i][0] + pairs[i][1])[-(T_max + 1):] for i in idx]          # keep the end of long contexts
-        T = max(len(s) for s in seqs) - 1
-        x = torch.zeros(len(seqs), T, dtype=torch.long)
-        for r, s in enumerate(seqs):
-            x[r, :len(s) - 1] = torch.tensor(s[:-1])
-        x = x.to(device)
-        if mode == "ete_ragged":
-            o = forward_ragged(model, x, taus=thr)
-            logits, exits = o["logits"], o["exits"]
-        else:
-            o = model(x, keep_logits=True)
-            if mode == "ouro":
-                exits = threshold_exit(o["gate_logits"], thr)
-                logits = torch.stack(o["logits"], -2).gather(-2, (exits - 1)[..., None, None].expand(
-                    *exits.shape, 1, o["logits"][0].shape[-1]))[..., 0, :]
-            else:
-                k = depth if mode == "fixed" else U
-                logits, exits = o["logits"][k - 1], torch.full(x.shape, k, dtype=torch.long)
-        logp = torch.log_softmax(logits.float(), -1).cpu()
-        exits = exits.cpu()
-        for r, i in enumerate(idx):
-            n_cont = len(pairs[i][1])
-            s = seqs[r]
-            pos = torch.arange(len(s) - 1 - n_cont, len(s) - 1)             # positions predicting the continuation
-            tgt = torch.tensor(s[-n_cont:])
-            lp = logp[r, pos, tgt]
-            greedy = bool((logp[r, pos].argmax(-1) == tgt).all())
-            out[i] = (float(lp.sum()), greedy, exits[r, pos].tolist())
-    return out
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ class Request:
     """One generation: what the user asks for, then what the engine reports back."""
     prompt: list                   # token ids
     max_tokens: int = 16           # tokens to sample (the request ends after them, or at a stop id)
-    mode: str = "dense_ragged"     # see serve_depthbatch.MODES
+    mode: str = "dense_ragged"     # see modes.MODES
     thr: float = 0.5               # this request's exit threshold τ (Eq. 4)
     depth: int = 0                 # fixed mode: loops per token (0: U)
     temperature: float = 0.0       # 0 = greedy

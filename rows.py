@@ -4,6 +4,8 @@ row writes its page and reads its request's table column at its own depth (Eq. 7
 
 A *row* is one token of one request at one depth. serve_depthbatch.Engine decides which rows run
 and when they stop; this file is what a row is and what one pass of the block reads and writes.
+A request's live state is a Live in the Engine and a Seat in the slot engine (slot_engine.py),
+whose rows live on the device instead.
 """
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -31,6 +33,34 @@ class Live:
         return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
 
 
+class Seat:
+    """A request admitted to the slot engine: its request slot on the device and the host's record of
+    where it stands (positions started and done, rows in flight, pages reserved ahead)."""
+
+    def __init__(self, req, id):
+        self.req, self.id = req, id
+        self.slot = None            # its request slot on the device
+        self.seq = None             # RaggedSeq: the pages it owns; the device table mirrors its table
+        self.done = 0               # positions whose rows have all finished (chunk_end starts here)
+        self.started = 0            # positions whose rows have started
+        self.host_end = 0           # positions the host starts (prompt, replay); later ones restart on the device
+        self.rows = 0               # its rows running on the device
+        self.holding = False        # its sampled token waits on the device for its rows to finish
+        self.exits = {}             # exits decided, by position, until they join req.exits
+        self.stops = []             # (position, depth) of rows that stopped, until the host table takes them
+        self.reserved = -1          # the last position whose pages are reserved
+        self.ending = False         # the last token is sampled; it ends when its rows have finished
+        self.evals_before = 0       # block evaluations of caches freed by preemption
+
+    def runnable(self):
+        """Positions it must run: every known token but a final sampled one (that one never runs)."""
+        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
+
+    def last_position(self):
+        """The last position that runs: that of the token before the final one (which never runs)."""
+        return len(self.req.prompt) + self.req.max_tokens - 2
+
+
 class Group:
     """The rows of one request in flight: consecutive positions that started together and run
     depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they stop."""
@@ -41,11 +71,18 @@ class Group:
         self.ids = ids                                      # token ids; the first step embeds all new groups at once
         self.h = None                                       # [T, C] on the device, from the first step
         self.survive = None                                 # Π (1 - λ) so far (Eq. 4), from the first step
-        self.tau, self.full, self.forced = taus, full, forced   # host lists, per row still running;
-        self.keep = keep                                    # forced: a replayed exit (0: decide)
-        self.exits = [0] * len(ids)                         # decided exits, by position (0: none)
+        # host lists by position (index p - start): τ, runs on after its exit, the exit a replay
+        # forces (0: decide), the Table 17 depth it keeps, the exit decided (0: none yet)
+        self.tau, self.full, self.forced, self.keep = taus, full, forced, keep
+        self.exits = [0] * len(ids)
         self.d = 0                                          # the depth the rows run next (0-based)
         self.sample_pos = None                              # whose exit samples a token
+        self.rows = None                                    # its rows of this step's batch (a slice)
+
+    def offsets(self):
+        """The running rows' indices into the host lists, in batch order (row g.rows.start + i is
+        position pos[i] = start + offsets()[i])."""
+        return (self.pos - self.start).tolist()
 
 
 class RowsView:

@@ -34,7 +34,9 @@ from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_c
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
-from serve_depthbatch import HEADS, MODES, scheduler_for
+from modes import MODES
+from scheduler import scheduler_for
+from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, check_chat
 

@@ -34,7 +34,8 @@ from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
 from request import SEED_MAX, Request
-from serve_depthbatch import HEADS, SCHEDULERS
+from scheduler import SCHEDULERS
+from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, has_chat
 
@@ -79,7 +80,8 @@ class Server:
             with self.cv:
                 self.dead = f"{type(e).__name__}: {e}"
             print(f"engine thread stopped: {self.dead}", file=sys.stderr)
-            stranded = list(self.inbox) + [s.req for s in list(self.engine.running) + list(self.engine.waiting)]
+            queues = self.engine.scheduler
+            stranded = list(self.inbox) + [s.req for s in queues.running + list(queues.waiting)]
             for r in stranded:
                 r.finish_reason, r.error = "error", f"the engine stopped: {self.dead}"
                 if r.on_token is not None:
@@ -299,7 +301,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         engine = self.app.engine
         if self.path == "/health":
             self.send_json({"status": "ok" if not self.app.dead else f"engine stopped: {self.app.dead}",
-                            "running": len(engine.running), "waiting": len(engine.waiting),
+                            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                             "free_pages": len(engine.pool.free)}, 200 if not self.app.dead else 503)
         elif self.path == "/v1/models":
             self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model", "created": 0,

@@ -21,55 +21,29 @@ pass's phases compiled (slot_pass.compiled_phases). What the pass does not cover
 Engine: the nested scheduler, the shared LM head, the Table 17 caches. engine_for picks the engine
 for a device.
 
-Read top to bottom: a request's seat; the engine (its interface, what the host decides between
-passes, the passes and their log, endings); the graphs; engine_for.
+A request's record here is rows.Seat; the queue and admission are scheduler.py's, as the Engine's
+are; the graphs are slot_pass.Graphs. Read top to bottom: the engine (its interface, what the host
+decides between passes, the passes and their log, endings); engine_for.
 """
 import sys
-from collections import deque
 
 import torch
 
 from configurator import UserError
 from kernels import resolve_impl, splits_for
+from modes import MODES, as_fixed, check_request, decode_rule, keeps_one_depth, n_run, position_rules
 from ragged import PagePool, RaggedSeq
 from request import seed_bits
-from serve_depthbatch import (MODES, Engine, as_fixed, check_pool, check_request, chunk_end, decode_rule, dry_pool,
-                              fit_chunk, keeps_one_depth, n_run, position_rules)
-from slot_pass import PLAIN, ROWS, Slots, bucket, compiled_phases, run_pass
+from scheduler import Scheduler
+from serve_depthbatch import Engine, check_pool
+from rows import Seat
+from slot_pass import PLAIN, ROWS, Graphs, Slots, bucket, compiled_phases, run_pass
 
 SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
 ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
 
 
 # ----------------------------------------------------------------------------- the host
-
-class Seat:
-    """A request admitted to the slot engine: its request slot on the device and the host's record of
-    where it stands (positions started and done, rows in flight, pages reserved ahead)."""
-
-    def __init__(self, req, id):
-        self.req, self.id = req, id
-        self.slot = None            # its request slot on the device
-        self.seq = None             # RaggedSeq: the pages it owns; the device table mirrors its table
-        self.done = 0               # positions whose rows have all finished (chunk_end starts here)
-        self.started = 0            # positions whose rows have started
-        self.host_end = 0           # positions the host starts (prompt, replay); later ones restart on the device
-        self.rows = 0               # its rows running on the device
-        self.holding = False        # its sampled token waits on the device for its rows to finish
-        self.exits = {}             # exits decided, by position, until they join req.exits
-        self.stops = []             # (position, depth) of rows that stopped, until the host table takes them
-        self.reserved = -1          # the last position whose pages are reserved
-        self.ending = False         # the last token is sampled; it ends when its rows have finished
-        self.evals_before = 0       # block evaluations of caches freed by preemption
-
-    def runnable(self):
-        """Positions it must run: every known token but a final sampled one (that one never runs)."""
-        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
-
-    def last_position(self):
-        """The last position that runs: that of the token before the final one (which never runs)."""
-        return len(self.req.prompt) + self.req.max_tokens - 2
-
 
 class SlotEngine:
     """The Engine's interface and rules (serve_depthbatch.Engine: add, step, run, busy, check, stats,
@@ -97,7 +71,8 @@ class SlotEngine:
             raise UserError("--attn=flex builds its mask on the host; the slot engine reads torch or triton", "attn")
         check_pool(model, kv_pages)
         self.pool = PagePool.for_model(model, kv_pages, scratch=True)
-        self.max_batch, self.max_rows, self.scheduler, self.attn = max_batch, max_rows, scheduler, attn
+        self.scheduler = Scheduler(self.pool, self.U, max_batch, max_rows, scheduler)
+        self.attn = attn
         self.sync_every, self.head = sync_every, "eager"          # the LM head runs on every pass
         n_keys = model.config.block_size
         self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U),
@@ -106,7 +81,7 @@ class SlotEngine:
         cuda = self.device.type == "cuda"
         self.graphs = Graphs(self.slots.buffers) if (cuda if graphs == "auto" else graphs) else None
         self.phases = compiled_phases() if (cuda if fuse == "auto" else fuse) else PLAIN
-        self.waiting, self.running, self.finished = deque(), [], []
+        self.finished = []
         self.by_slot, self.free_slots = [None] * max_batch, list(range(max_batch - 1, -1, -1))
         self.next_id = 0
         # the host's copy of the rows, as of the last log read and its own writes since: which are live
@@ -119,17 +94,17 @@ class SlotEngine:
         # passes whose log is not read yet (see step), and the pinned host buffers of the copies
         self.overlap, self.ticket, self.pinned, self.flip = overlap, None, {}, 0
         self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
-        self.emitted, self.passes_run = [], 0
+        self.passes_run, self.read_early = 0, []
 
     # ------------------------------------------------------------------ the Engine's interface
 
     def add(self, r):
         """Queue a request after checking it (UserError, nothing queued, if it is malformed, could never
         fit the pool, or asks for what this engine leaves to the Engine)."""
-        if self.scheduler == "fixed":
+        if self.scheduler.kind == "fixed":
             as_fixed(r, self.U)
         self.check_request(r)
-        self.waiting.append(Seat(r, self.next_id))
+        self.scheduler.waiting.append(Seat(r, self.next_id))
         self.next_id += 1
         return r
 
@@ -143,7 +118,12 @@ class SlotEngine:
         if r.keep_logits and self.slots.logits is None:
             raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
 
-    busy, run = Engine.busy, Engine.run          # the eager engine's: whether work is left, and add-then-step
+    run = Engine.run                             # the eager engine's: add, then step until not busy
+
+    def busy(self):
+        """Whether work is left: requests queued or running, or tokens that check() read for the next
+        step to return."""
+        return self.scheduler.busy() or bool(self.read_early)
 
     @torch.inference_mode()
     def step(self):
@@ -151,23 +131,25 @@ class SlotEngine:
         can be due (nothing waits, no prompt chunk is to start), the log of these passes is read at
         the next step, while the next passes run, so that the device never waits on the host; else
         at once. Returns [(request, token)] sampled in the passes whose log was read."""
-        self.emitted = []
+        sampled, self.read_early = self.read_early, []
         if self.ticket is not None and self._due():
-            self.ticket = self._read_log(self.ticket)          # know the state before deciding
+            sampled += self._read_log(self.ticket)             # know the state before deciding
+            self.ticket = None
         self._drop_cancelled()
         waves = self._schedule()                               # admit, start prompt chunks, reserve pages, preempt
         ticket = self._run(waves) if waves else None           # the passes: graph replays on CUDA
         if self.ticket is not None:
-            self._read_log(self.ticket)                        # the previous passes, while these run
+            sampled += self._read_log(self.ticket)             # the previous passes, while these run
         self.ticket = ticket
         if ticket is not None and (self._due() or not self.overlap):
-            self.ticket = self._read_log(ticket)
-        return self.emitted
+            sampled += self._read_log(ticket)
+            self.ticket = None
+        return sampled
 
     def _due(self):
         """Whether the host may have to decide something after the next pass: a request waits, or a
         prompt (or replay) has chunks to start."""
-        return bool(self.waiting) or any(s.done < s.host_end for s in self.running)
+        return bool(self.scheduler.waiting) or any(s.done < s.host_end for s in self.scheduler.running)
 
     # ------------------------------------------------------------------ what the host decides between passes
 
@@ -178,17 +160,17 @@ class SlotEngine:
         only; otherwise one pass, the head on)."""
         self._start_chunks()
         pending = len(self.ticket[0]) if self.ticket is not None else 0      # passes run but not read yet
-        if not self.live.any() or (pending and all(self._surely_done(s, pending) for s in self.running)):
+        if not self.live.any() or (pending and all(self._surely_done(s, pending) for s in self.scheduler.running)):
             return []
         due = self._due()
-        most = max(self._passes_left(s, pending) for s in self.running)     # no request needs more
-        if self.scheduler == "fixed":       # every live row starts a wave at depth 1, all of one depth
+        most = max(self._passes_left(s, pending) for s in self.scheduler.running)     # no request needs more
+        if self.scheduler.kind == "fixed":  # every live row starts a wave at depth 1, all of one depth
             m = self._wave_depth()
             waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log.shape[0], most) // m))
         else:
             waves = [(True,)] * (1 if due else max(1, min(self.sync_every, most)))
         self._reserve_ahead(pending + sum(len(w) for w in waves))
-        if self.waiting:                    # a preemption left a request waiting: decide again after one wave
+        if self.scheduler.waiting:                    # a preemption left a request waiting: decide again after one wave
             waves = waves[:1]
         self._flush()
         self._choose_bucket(compact=not pending, due=due)
@@ -215,51 +197,25 @@ class SlotEngine:
         return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
 
     def _start_chunks(self):
-        """Engine._start_groups over the slots: every running request whose rows have all finished and
-        whose next positions the host starts (a prompt or replay chunk) gets its next chunk within the
-        row budget and the free pages; then waiting requests are admitted. The device already started
-        the decode tokens (restarts); like the Engine, a chunk's budget counts those of the requests
-        before it only."""
-        self.restarted &= set(self.running)
-        rows = self.slots_active - len(self.restarted)
-        free = len(self.pool.free)
+        """The scheduler's chunks over the slots (as Engine._start_groups): a running request whose
+        rows have all finished and whose next positions the host starts (a prompt or replay chunk)
+        gets its next chunk, a request admitted from the queue its request slot first. The device
+        already started the decode tokens (restarts): like the Engine's decode chunks, each counts
+        against the budget of the requests after it."""
+        sched = self.scheduler
+        self.restarted &= set(sched.running)
+        wave = self._wave_depth() if sched.kind == "fixed" and self.live.any() else None
+        ready = lambda s: ("started" if s in self.restarted else
+                           None if s.rows or s.holding or s.done >= s.host_end else "chunk")
         started = bool(self.restarted)
-        wave = self._wave_depth() if self.scheduler == "fixed" and self.live.any() else None
-        joins = lambda s: self.scheduler != "fixed" or wave in (None, n_run(s.req, self.U))
-
-        def start(s, end):                  # the chunk counts against the rows and the pages left
-            nonlocal rows, free, started, wave
-            rows += end - s.done
-            free -= (end - s.done) * n_run(s.req, self.U)
+        for s, end in sched.chunks(self.slots_active - len(self.restarted), len(self.pool.free), ready, wave):
+            if s.seq is None:
+                self._admit(s)
             self._start_chunk(s, end)
-            started, wave = True, n_run(s.req, self.U)
-        for s in list(self.running):
-            if s in self.restarted:
-                rows += 1
-                continue
-            if s.rows or s.holding or s.done >= s.host_end or not joins(s):
-                continue
-            end = chunk_end(s, self.max_rows - rows)
-            if end is not None and end - s.done > 1:
-                end = fit_chunk(s, end, free, self.U)
-            if end is not None:
-                start(s, end)
-        while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
-            s = self.waiting[0]
-            end = chunk_end(s, self.max_rows - rows)
-            if end is None:
-                break
-            if s.req.exits and self.running and free < sum(s.req.exits) + n_run(s.req, self.U):
-                break   # a preempted request returns when its replay and one more token fit: no thrashing
-            end = fit_chunk(s, end, free, self.U)
-            if end is None:
-                break
-            self.waiting.popleft()
-            self._admit(s)
-            start(s, end)
-        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(self.running))
-        if not started and not self.live.any() and self.running:
-            self._evict(self.running[-1])   # nothing can start: the pages are held by requests that need more
+            started = True
+        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(sched.running))
+        if not started and not self.live.any() and sched.running:
+            self._evict()                   # nothing can start: the pages are held by requests that need more
 
     def _wave_depth(self):
         """The depth of the fixed wave under way: that of the request of any live row."""
@@ -272,7 +228,6 @@ class SlotEngine:
         self.by_slot[s.slot] = s
         s.seq = RaggedSeq(self.pool, self.U, len(r.prompt) + r.max_tokens)
         s.host_end = len(r.prompt) + len(r.tokens) - (1 if s.ending else 0)
-        self.running.append(s)
         tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
         i = s.slot
@@ -304,8 +259,8 @@ class SlotEngine:
         """Pages for every position a decode row may reach in the coming passes (a row starts at most
         one position a pass), every depth it may run; the oldest requests first. When the pool runs dry
         the newest request is preempted, as in the Engine."""
-        for s in list(self.running):
-            if s not in self.running or s.ending or s.started < s.host_end:
+        for s in list(self.scheduler.running):
+            if s not in self.scheduler.running or s.ending or s.started < s.host_end:
                 continue
             self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
 
@@ -314,10 +269,10 @@ class SlotEngine:
         flush) in its device table; the device restarts a row only where pages are reserved. When the
         pool runs dry the newest request is preempted (s itself, perhaps: then False), as in the Engine."""
         m = n_run(s.req, self.U)
-        while s in self.running and (last - first + 1) * m > len(self.pool.free):
-            self._evict(self.running[-1])
-        if s not in self.running or last < first:
-            return s in self.running
+        while s in self.scheduler.running and (last - first + 1) * m > len(self.pool.free):
+            self._evict()
+        if s not in self.scheduler.running or last < first:
+            return s in self.scheduler.running
         if last + 1 > s.seq.n:
             s.seq.extend(last + 1 - s.seq.n)
         pos = torch.arange(first, last + 1)
@@ -341,9 +296,9 @@ class SlotEngine:
             pos = torch.cat([q.repeat_interleave(p.shape[1]) for _, q, p in self._pages])
             pages = torch.cat([p.reshape(-1) for _, _, p in self._pages])
             st.table[slot.to(dev), depth.to(dev), pos.to(dev)] = pages.to(dev)
-        if self.running:
-            st.horizon[torch.tensor([s.slot for s in self.running], device=dev)] = torch.tensor(
-                [s.reserved for s in self.running], device=dev)
+        if self.scheduler.running:
+            st.horizon[torch.tensor([s.slot for s in self.scheduler.running], device=dev)] = torch.tensor(
+                [s.reserved for s in self.scheduler.running], device=dev)
         self._rows, self._pages = [], []
 
     def _choose_bucket(self, compact=True, due=False):
@@ -373,8 +328,8 @@ class SlotEngine:
         a copy of their log and of the rows' state, started without waiting. Returns the ticket that
         _read_log takes: (buckets of the passes, the first pass's index, the copies, an event)."""
         R, st = self.R_now, self.slots
-        sampling = any(s.req.temperature > 0 for s in self.running)
-        longest = max(s.started for s in self.running) + sum(len(w) for w in waves)
+        sampling = any(s.req.temperature > 0 for s in self.scheduler.running)
+        longest = max(s.started for s in self.scheduler.running) + sum(len(w) for w in waves)
         if self.ticket is not None:
             longest += len(self.ticket[0])
         n_keys = st.n_keys if self.attn == "triton" else bucket(longest, st.n_keys)   # the torch read gathers n_keys
@@ -406,13 +361,14 @@ class SlotEngine:
     def _read_log(self, ticket):
         """A ticket's log, pass by pass: exits recorded, tokens delivered (callbacks, stop ids,
         max_tokens), stopped rows aliased in the host tables and their unused pages returned,
-        restarts noted, finished and cancelled requests ended. Returns None (no ticket left)."""
+        restarts noted, finished and cancelled requests ended. Returns [(request, token)] delivered."""
         launched, first, (log, rows, *logits), done = ticket
         if done is not None:
             done.synchronize()
         st = self.slots
         L = log.shape[0]
         self.live, self.row_req, self.slots_active = (rows[0] + rows[1]) > 0, rows[2].clone(), int(rows[0].sum())
+        delivered = []
         for i, R in enumerate(launched):
             at = (first + i) % L
             self.restarted = set()
@@ -426,6 +382,7 @@ class SlotEngine:
                     s.exits[pos] = exit
                 if tok >= 0:
                     self._deliver(s, tok, logits[0][at, r].clone() if logits else None)
+                    delivered.append((s.req, tok))
                 if stop:
                     s.stops.append((pos, depth - 1))
                     s.rows -= 1
@@ -435,11 +392,11 @@ class SlotEngine:
             if ran:
                 self.stats["passes"] += 1
                 self.stats["rows"] += ran
-            for s in list(self.running):
+            for s in list(self.scheduler.running):
                 self._settle(s)
-        for s in self.running:
+        for s in self.scheduler.running:
             self._apply_stops(s)
-        return None
+        return delivered
 
     def _apply_stops(self, s):
         """The host table takes the aliases (Eq. 11) of the rows that stopped, in one call."""
@@ -453,7 +410,6 @@ class SlotEngine:
         if r.keep_logits:
             r.logits.append(logits)
         r.tokens.append(tok)
-        self.emitted.append((r, tok))
         self.stats["head_rows"] += 1
         if r.on_token is not None:
             r.on_token(r, tok)
@@ -483,19 +439,17 @@ class SlotEngine:
     # ------------------------------------------------------------------ endings
 
     def _drop_cancelled(self):
-        for s in [s for s in list(self.running) + list(self.waiting) if s.req.cancelled]:
+        for s in [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.req.cancelled]:
             self._finish(s, "cancelled")
 
-    def _evict(self, s):
-        """Preempt s, or fail it when it is alone and still does not fit."""
-        if len(self.running) == 1:
-            self._finish(s, "error", dry_pool(s.req, self.pool, self.U))
-        else:
-            self.preempt(s)
-
-    def preempt(self, s):
-        """Free every page of s and requeue it at the front; its exits so far are kept, and on its return
-        its cache is rebuilt by a recomputation that replays them (as the Engine does)."""
+    def _evict(self):
+        """The pool ran dry: the request the scheduler hands back loses its pages and its slot (its
+        exits so far are kept, and on its return its cache is rebuilt by a recomputation that
+        replays them, as in the Engine), or, alone and still too big, fails."""
+        s, error = self.scheduler.evict()
+        if error is not None:
+            self._finish(s, "error", error)
+            return
         self._apply_stops(s)
         s.seq.unreserve(s.started)
         s.evals_before += s.seq.block_evals
@@ -503,10 +457,7 @@ class SlotEngine:
         self._free_slot(s)
         s.seq, s.done, s.started, s.rows, s.holding, s.exits, s.reserved = None, 0, 0, 0, False, {}, -1
         s.stops = []
-        s.req.preemptions += 1
         self.stats["preemptions"] += 1
-        self.running.remove(s)
-        self.waiting.appendleft(s)
 
     def _finish(self, s, reason, error=None):
         r = s.req
@@ -518,10 +469,7 @@ class SlotEngine:
             s.seq = None
         self._free_slot(s)
         r.finish_reason, r.error = reason, error
-        if s in self.running:
-            self.running.remove(s)
-        if s in self.waiting:
-            self.waiting.remove(s)
+        self.scheduler.remove(s)
         self.finished.append(r)
         if r.on_token is not None:
             r.on_token(r, None)                              # None: the request has ended
@@ -549,20 +497,22 @@ class SlotEngine:
 
     def fail_running(self, error):
         """After an unexpected error inside a step: end every admitted request with `error`."""
-        for s in list(self.running):
+        for s in list(self.scheduler.running):
             self._finish(s, "error", error)
 
     def check(self):
         """Page invariants of the pool and of every live sequence, and the device's tables against the
         host's (tests call it after every step): the same pages, aliases included, and no row of a
-        running request reads the scratch page. Reads the log of passes not read yet first."""
+        running request reads the scratch page. Reads the log of passes not read yet first (the next
+        step returns its tokens)."""
         if self.ticket is not None:
             with torch.inference_mode():
-                self.ticket = self._read_log(self.ticket)
+                self.read_early += self._read_log(self.ticket)
+            self.ticket = None
         self.pool.check()
         held = 0
         st = self.slots
-        for s in self.running:
+        for s in self.scheduler.running:
             s.seq.check()
             held += int(s.seq.real[:s.seq.n].sum())
             host = s.seq.table[:s.seq.n].T                             # [U, n]
@@ -573,41 +523,6 @@ class SlotEngine:
         for r in act.nonzero()[:, 0].tolist():
             slot, d, p = int(st.req[r]), int(st.depth[r]), int(st.pos[r])
             assert (st.table[slot, d, :p + 1] != st.scratch).all(), "a running row reads the scratch page"
-
-
-# ----------------------------------------------------------------------------- graphs
-
-class Graphs:
-    """One CUDA graph per kind of pass (bucket, keys read, head flags, sampling), captured on first use
-    into one shared memory pool and replayed. A capture runs the passes a few times first (compilation,
-    Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers (`buffers()`: all a
-    pass changes but the page pool) after each run: the warm-up writes into the pool only the K/V
-    that the replay writes again."""
-
-    def __init__(self, buffers):
-        self.buffers, self.graphs, self.pool = buffers, {}, None
-
-    def replay(self, key, run):
-        if key not in self.graphs:
-            self.graphs[key] = self.capture(run)
-        self.graphs[key].replay()
-
-    def capture(self, run, warmup=2):
-        saved = [b.clone() for b in self.buffers()]
-        restore = lambda: [b.copy_(v) for b, v in zip(self.buffers(), saved)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                run()
-                restore()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            run()
-        self.pool = graph.pool()
-        restore()
-        return graph
 
 
 def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="eager",

@@ -11,7 +11,8 @@ and each row running on, restarting in place at depth 1 with its sampled token, 
 idle. No value is read on the host and no Python branch depends on data: it runs on the `meta`
 device and compiles to one graph (test_slots.py).
 
-Read top to bottom: the buffers; the pass, in its phases; the phases compiled (compiled_phases).
+Read top to bottom: the buffers; the pass, in its phases; the phases compiled (compiled_phases);
+the CUDA graphs that capture a kind of pass once and replay it (Graphs).
 """
 from types import SimpleNamespace
 
@@ -218,3 +219,38 @@ def compiled_phases():
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, 64)
     return SimpleNamespace(**{k: torch.compile(f) for k, f in vars(PLAIN).items()})
+
+
+# ----------------------------------------------------------------------------- graphs of passes
+
+class Graphs:
+    """One CUDA graph per kind of pass (bucket, keys read, head flags, sampling), captured on first use
+    into one shared memory pool and replayed. A capture runs the passes a few times first (compilation,
+    Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers (`buffers()`: all a
+    pass changes but the page pool) after each run: the warm-up writes into the pool only the K/V
+    that the replay writes again."""
+
+    def __init__(self, buffers):
+        self.buffers, self.graphs, self.pool = buffers, {}, None
+
+    def replay(self, key, run):
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(run)
+        self.graphs[key].replay()
+
+    def capture(self, run, warmup=2):
+        saved = [b.clone() for b in self.buffers()]
+        restore = lambda: [b.copy_(v) for b, v in zip(self.buffers(), saved)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                run()
+                restore()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            run()
+        self.pool = graph.pool()
+        restore()
+        return graph

@@ -2,7 +2,8 @@
 Tasks of known difficulty and the task files of evaluation: the synthetic items that prepare_data.py
 writes as datasets and eval.py scores (each labelled with its difficulty k), the JSONL schema of a
 task file and its checks, the builtin suites (held-out items of the generators), the standard
-benchmarks converted to the schema, and the paper's prompt templates (App. D).
+benchmarks converted to the schema, the paper's prompt templates (App. D), and how a completion's
+answer is checked (App. E.1).
 
 Task files are JSONL, one item a line:
     {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
@@ -311,3 +312,33 @@ def gen_prompt_text(item, shots, chat):
     if item.get("extract") == "prefix":
         return head + item["prompt"]
     return head + f"Q: {item['prompt']}\nA:"
+
+
+# ----------------------------------------------------------------------------- checking an answer
+
+ANSWER_IS = re.compile(r"the answer is\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\s.])\.(?:\s|$))", re.IGNORECASE)
+
+
+def normalize(ans):
+    """Harmless formatting only: surrounding whitespace, trailing punctuation, quotes, bold, $."""
+    prev = None
+    while prev != ans:
+        prev, ans = ans, ans.strip().rstrip(".,;:!").strip("*`\"'$ ")
+    return ans
+
+
+def extract_answer(text):
+    """Strict extraction (App. E.1): the last 'the answer is ...' in the text, up to the end of its
+    sentence or line; None when there is no such phrase."""
+    found = ANSWER_IS.findall(text)
+    return normalize(found[-1]) if found else None
+
+
+def is_correct(item, completion_text, completion_ids):
+    if item.get("extract", "answer_is") == "prefix":
+        if "answer_ids" in item:
+            head = completion_ids[:len(item["answer_ids"])]
+            return head == item["answer_ids"], head
+        return completion_text.startswith(item["answer"]), completion_text[:len(item["answer"])]
+    ans = extract_answer(completion_text)
+    return ans is not None and ans == normalize(item["answer"]), ans

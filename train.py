@@ -9,8 +9,8 @@ Train a looped LM with an exit-prior objective (paper §4, App. B).
     python train.py --global_kl --ragged_aware        # alternate dense and sampled-ragged steps (§5)
     torchrun --standalone --nproc_per_node=2 train.py # data parallel (gloo on CPU, nccl on CUDA)
 
-The objectives themselves (Eq. 9-22) are objectives.py; this file is the loop around them: flags,
-data, evaluation, checkpoints, data-parallel processes.
+The objectives themselves (Eq. 9-22) are objectives.py, what a run measures on held-out data is
+metrics.py; this file is the loop around them: flags, data, checkpoints, data-parallel processes.
 """
 import json
 import math
@@ -26,8 +26,9 @@ import torch
 
 from checkpoint import atomic_write, is_ouro_folder, load_checkpoint, model_args, save_checkpoint
 from configurator import SEED_RULE, UserError, check_writable, device_rule, parse, resolve_device, run_cli
-from model import GPTConfig, LoopedLM, exit_pdf, exit_stats, forward_ragged
-from objectives import Objective, beta_schedule, exit_prior, kl_global, kl_local, n_uniforms, step_kind, train_step
+from metrics import draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
+from model import GPTConfig, LoopedLM
+from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
 
 # ----------------------------------------------------------------------------- defaults
 # I/O
@@ -161,19 +162,6 @@ def load_split(c, split):
                         "again with prepare_data.py")
 
 
-def draw_starts(data, c, n, generator):
-    return torch.randint(len(data) - c.block_size - 1, (n,), generator=generator).tolist()
-
-
-def windows(data, starts, T, offset=0):
-    return torch.stack([torch.from_numpy(data[i + offset:i + offset + T].astype(np.int64)) for i in starts])
-
-
-def get_batch(data, c, starts, device):
-    x, y = windows(data, starts, c.block_size), windows(data, starts, c.block_size, 1)
-    return x.to(device), y.to(device)
-
-
 def load_data(c, vocab_size):
     """The dataset's train and val ids, and its val labels where it has them (the difficulty of
     each token, of each token's item: None otherwise), checked against the context and the
@@ -190,104 +178,6 @@ def load_data(c, vocab_size):
             raise UserError(f"--dataset={c.dataset}: its {name} split holds token id {top}, outside the vocabulary of "
                             f"{vocab_size} (meta.json and the ids disagree); prepare it again")
     return train, val, *labels
-
-
-def unigram_loss(train, val, vocab_size):
-    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat."""
-    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1
-    logp = np.log(counts / counts.sum())
-    return float(-logp[val].mean())
-
-
-# ----------------------------------------------------------------------------- eval
-
-def spearman(a, b):
-    """Spearman's rank correlation with average ranks for ties."""
-    def ranks(x):
-        x = np.asarray(x, dtype=np.float64)
-        order = np.argsort(x, kind="mergesort")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x))
-        for v in np.unique(x):  # ties share their mean rank
-            r[x == v] = r[x == v].mean()
-        return r
-    if len(a) < 2:
-        return float("nan")
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def eval_thresholds(c):
-    """--eval_thr's values, in order, each once (checked by RULES; a value given twice is refused)."""
-    thrs = [float(t) for t in str(c.eval_thr).split(",") if t.strip()]
-    if len(set(thrs)) != len(thrs):
-        raise UserError(f"--eval_thr={c.eval_thr}: a threshold given twice; give each once")
-    return thrs
-
-
-@torch.no_grad()
-def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
-    """Fixed-depth and ragged (ETE-Ragged, teacher-forced) val losses, exit statistics at the first
-    eval threshold, the KL of the batch-mean exit distribution, and on synthetic data the exit
-    depth by difficulty (the depth at position i paired with the label of token i+1) and its
-    Spearman correlation, at the first threshold and at each (`*_by_thr`); with item labels (the
-    pointer dataset) also the mean depth over the whole span of items of each difficulty, since the
-    work an answer needs may sit anywhere in its item."""
-    model.eval()
-    g = torch.Generator().manual_seed(c.seed + 1)  # the same eval batches every time
-    U = model.config.n_loops
-    thrs = eval_thresholds(c)
-    fixed, pis, ragged, diffs, spans = [], [], {t: [] for t in thrs}, [], []
-    depth, exits = {t: [] for t in thrs}, {t: [] for t in thrs}
-    for _ in range(c.eval_iters):
-        starts = draw_starts(val, c, c.batch_size, g)
-        x, y = get_batch(val, c, starts, device)
-        with ctx:
-            out = model(x, y)
-            for t in thrs:
-                r = forward_ragged(model, x, y, taus=t)
-                ragged[t].append(float(r["loss"]))
-                depth[t].append(float(r["exits"].double().mean()))
-                exits[t].append(r["exits"].cpu())
-        fixed.append(out["losses"].float().reshape(-1, U).mean(0))
-        pis.append(exit_pdf(out["gate_logits"]).reshape(-1, U))
-        if labels is not None:
-            diffs.append(windows(labels, starts, c.block_size, 1))
-        if item_labels is not None:
-            spans.append(windows(item_labels, starts, c.block_size, 1))
-    model.train()
-    exits = {t: torch.cat(v) for t, v in exits.items()}      # (batches*B, T) per threshold
-    e = exits[thrs[0]]
-    stats = exit_stats(e, U)                                # jumps within each sequence
-    pi = torch.cat(pis)
-    r = lambda v: round(float(v), 5)
-    metrics = {
-        "val_loss_fixed": [r(v) for v in torch.stack(fixed).mean(0)],
-        "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
-        "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
-        "avg_exit_depth": r(e.double().mean()),
-        "exit_fractions": [r(v) for v in stats["exit_fractions"]],
-        "jump_rates": [r(v) for v in stats["jump_rates"]],
-        "large_jump_rate": r(stats["large_jump_rate"]),
-        "kl_global": r(kl_global(pi, prior)),
-        "kl_local": r(kl_local(pi, prior)),
-    }
-    flat = {t: ev.reshape(-1).numpy() for t, ev in exits.items()}
-    mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
-    if diffs:
-        d = torch.cat(diffs).reshape(-1).numpy()
-        rho = {t: spearman(ev[d > 0], d[d > 0]) for t, ev in flat.items()}
-        rho = {t: None if math.isnan(v) else r(v) for t, v in rho.items()}
-        metrics["depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(0, 5))
-        metrics["difficulty_spearman"] = rho[thrs[0]]
-        metrics["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
-    if spans:
-        d = torch.cat(spans).reshape(-1).numpy()
-        metrics["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
-        metrics["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
-    return metrics
 
 
 # ----------------------------------------------------------------------------- main
@@ -458,6 +348,18 @@ def autocast(c, device):
             else torch.autocast(device_type="cpu", enabled=False))
 
 
+def describe_run(c, model, device, n_micro, world, baseline):
+    """What the run trains and on what batches, and the loss to beat, on stderr."""
+    objective = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
+        f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
+    print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, U={model.config.n_loops}; "
+          f"objective: {objective}; device {device}", file=sys.stderr)
+    print(f"global batch: {n_micro} micro-batch(es) of {c.batch_size}x{c.block_size} = "
+          f"{c.batch_size * c.block_size * n_micro:,} tokens per step ({n_micro // world} per process x {world} "
+          "process(es))", file=sys.stderr)
+    print(f"unigram baseline val loss: {baseline:.4f}", file=sys.stderr)
+
+
 def main(argv):
     given = set()
     c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__, given))
@@ -478,13 +380,7 @@ def main(argv):
     baseline = unigram_loss(np.asarray(train), np.asarray(val), model.config.vocab_size)
     tokens_per_iter = c.batch_size * c.block_size * n_micro
     if master:
-        objective_name = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
-            f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
-        print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, U={U}; "
-              f"objective: {objective_name}; device {device}", file=sys.stderr)
-        print(f"global batch: {n_micro} micro-batch(es) of {c.batch_size}x{c.block_size} = {tokens_per_iter:,} "
-              f"tokens per step ({n_micro // world} per process x {world} process(es))", file=sys.stderr)
-        print(f"unigram baseline val loss: {baseline:.4f}", file=sys.stderr)
+        describe_run(c, model, device, n_micro, world, baseline)
 
     def record_of(it, metrics):
         return {"iter": it, "tokens": it * tokens_per_iter, **metrics,
@@ -558,10 +454,24 @@ def save_run(c, run, it):
         run.log_file, run.pending = log_path, False
 
 
+def step_batches(c, run, kind, mine):
+    """This process's micro-batches of one step (`mine`), with the uniforms of a ragged step's
+    sampled exits: the global batch is drawn identically on every rank, each runs its share."""
+    B, T, U = c.batch_size, c.block_size, run.model.config.n_loops
+    starts = draw_starts(run.train, c, B * run.n_micro, run.data_gen)
+    uniforms = (torch.rand(n_uniforms(run.objective), B * run.n_micro, T, U, generator=run.exit_gen)
+                if kind in ("ragged", "reinforce") else None)
+    out = []
+    for m in mine:
+        x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
+        out.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
+    return out
+
+
 def train_loop(c, run, iter_num, resumed_at):
     """Evaluate, log and checkpoint every eval_interval steps; one optimizer step at a time between.
     Returns the last evaluation's metrics (None if there was nothing to do)."""
-    model, B, T, U = run.model, c.batch_size, c.block_size, run.model.config.n_loops
+    model, U = run.model, run.model.config.n_loops
     mine = range(run.rank * run.n_micro // run.world, (run.rank + 1) * run.n_micro // run.world)
     last = c.max_iters if c.stop_iter < 0 else min(c.stop_iter, c.max_iters)
     if iter_num >= last:
@@ -592,17 +502,9 @@ def train_loop(c, run, iter_num, resumed_at):
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.time()
-        # The global batch is drawn identically on every rank; each rank runs its share of it.
-        starts = draw_starts(run.train, c, B * run.n_micro, run.data_gen)
         kind = step_kind(iter_num, run.objective)
-        uniforms = (torch.rand(n_uniforms(run.objective), B * run.n_micro, T, U, generator=run.exit_gen)
-                    if kind in ("ragged", "reinforce") else None)
-        batches = []
-        for m in mine:
-            x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
-            batches.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
-        train_loss, parts, kl_step = train_step(fwd, batches, iter_num, run.prior, run.objective, b, run.ctx,
-                                                run.n_micro, run.world)
+        train_loss, parts, kl_step = train_step(fwd, step_batches(c, run, kind, mine), iter_num, run.prior,
+                                                run.objective, b, run.ctx, run.n_micro, run.world)
         # the norm is taken after the gradient all-reduce: every process stops at the same step
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
         if not (math.isfinite(train_loss) and math.isfinite(float(norm))):

@@ -23,7 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from model import FULL, GPTConfig, LoopedLM  # noqa: E402  (after the interpreter switch)
 from request import Request  # noqa: E402
-from serve_depthbatch import Engine, prompt_thresholds  # noqa: E402
+from modes import prompt_thresholds  # noqa: E402
+from serve_depthbatch import Engine  # noqa: E402
 
 U = 4
 
@@ -101,21 +102,24 @@ def engine(model, kv_pages, head="eager", **engine_args):
 
 def drive(engine, reqs, arrive=None, cancel_at=None):
     """Add each request at its step (arrive), cancel some from their callback after k tokens; step to
-    the end, checking the page tables after every step."""
+    the end, checking the page tables after every step, and that the steps return every token
+    sampled, once, in order."""
     arrive = arrive or [0] * len(reqs)
     for i, k in (cancel_at or {}).items():
         reqs[i].on_token = (lambda r, t, k=k: setattr(r, "cancelled", True)
                             if t is not None and len(r.tokens) >= k else None)
-    step = 0
+    step, returned = 0, []
     while step <= max(arrive) or engine.busy():
         for r, t in zip(reqs, arrive):
             if t == step:
                 engine.add(r)
-        engine.step()
+        returned += engine.step()
         engine.check()
         step += 1
         assert step < 3000
     assert engine.pool.used == 0
+    for r in reqs:
+        assert [t for q, t in returned if q is r] == r.tokens
     return reqs
 
 

@@ -95,7 +95,7 @@ def test_pass_at_k_closed_form(n, c, k, want):
     ("The answer is: $12$.\nQ: next question", "12"), ("THE ANSWER IS False", "False"), ("the answer is\n", None),
 ])
 def test_strict_answer_extraction(text, answer):
-    assert ev.extract_answer(text) == answer
+    assert tasks.extract_answer(text) == answer
 
 
 def test_generation_sweep_writes_results_records_and_plot(tmp_path, ckpt):
@@ -225,7 +225,7 @@ def test_standard_benchmark_rows_convert_to_the_task_schema():
     assert items["winogrande"]["context"] == "The cup did not fit in the box because the"
     assert items["winogrande"]["choices"][0] == " cup was too big." and items["winogrande"]["answer"] == 0
     assert items["gsm8k"]["answer"] == "7" and items["gsm8k"]["cot"] == "3 + 4 = 7 So the answer is 7."
-    assert ev.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
+    assert tasks.extract_answer(items["gsm8k"]["cot"]) == "7" and items["bbh"]["answer"] == "False"
 
 
 @pytest.mark.parametrize("kind", ["pointer", "hops", "graded"])

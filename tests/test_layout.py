@@ -8,9 +8,10 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "request", "rows", "checkpoint", "tokenizer",
-           "configurator", "server", "objectives", "tasks",
-           "slot_engine", "slot_pass", "claims"}
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "scheduler", "request", "rows", "checkpoint",
+           "tokenizer", "configurator", "server", "objectives", "metrics", "tasks", "slot_engine", "slot_pass",
+           "claims"}
+MAX_FILE, MAX_FUNCTION = 550, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce",
            "prepare_data", "export_ouro"}
 
@@ -158,3 +159,19 @@ def test_read_the_code_visits_each_file_once_references_first():
         for ref in named(reference) & in_table:
             assert ref in seen, f"{ref} is read after a row checked against it"
         seen |= named(code)
+
+
+def test_sizes_and_places():
+    """No project file over MAX_FILE lines, no function over MAX_FUNCTION; the tests live under
+    tests/ (test_ragged.py beside ragged.py, as the design names it); a license at the root."""
+    for name, path in source_files().items():
+        if name.startswith("test_") or name == "conftest":
+            assert os.path.dirname(path).endswith("tests") or name == "test_ragged", path
+            continue
+        text = open(path, encoding="utf-8").read()
+        assert len(text.splitlines()) <= MAX_FILE, f"{name}.py: {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= MAX_FUNCTION, f"{name}.py:{node.name} is {n} lines"
+    assert os.path.isfile(os.path.join(HERE, "LICENSE"))

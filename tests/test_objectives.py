@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import objectives
 import prepare_data
+import metrics
 import train
 from conftest import TINY, random_model, read_log
 from model import attention, exit_log_pdf, forward_ragged
@@ -132,11 +133,11 @@ def test_reinforce_score_term_sign():
 
 
 def test_spearman_and_jump_rates():
-    assert abs(train.spearman([1, 2, 3, 4], [10, 20, 30, 40]) - 1) < 1e-12
-    assert abs(train.spearman([1, 2, 3, 4], [4, 3, 2, 1]) + 1) < 1e-12
+    assert abs(metrics.spearman([1, 2, 3, 4], [10, 20, 30, 40]) - 1) < 1e-12
+    assert abs(metrics.spearman([1, 2, 3, 4], [4, 3, 2, 1]) + 1) < 1e-12
     a, b = [1, 1, 2, 3], [1, 2, 2, 3]   # ties take average ranks: [1.5,1.5,3,4] vs [1,2.5,2.5,4]
     ra, rb = np.array([1.5, 1.5, 3, 4]), np.array([1, 2.5, 2.5, 4])
-    assert abs(train.spearman(a, b) - np.corrcoef(ra, rb)[0, 1]) < 1e-12
+    assert abs(metrics.spearman(a, b) - np.corrcoef(ra, rb)[0, 1]) < 1e-12
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +180,12 @@ def test_eval_metrics_against_brute_force(data_dir):
     val = train.load_split(c, "val")
     labels = np.memmap(os.path.join(data_dir, "synthetic", "val_labels.bin"), dtype=np.uint8, mode="r")
     prior = objectives.exit_prior("uniform", 4)
-    m = train.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
+    m = metrics.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
     g = torch.Generator().manual_seed(c.seed + 1)
     exits, labs, at_03 = [], [], []
     for _ in range(2):
-        starts = train.draw_starts(val, c, 4, g)
-        x, _ = train.get_batch(val, c, starts, "cpu")
+        starts = metrics.draw_starts(val, c, 4, g)
+        x, _ = metrics.get_batch(val, c, starts, "cpu")
         e = forward_ragged(model, x, taus=0.5)["exits"]
         at_03 += [v for row in forward_ragged(model, x, taus=0.3)["exits"].tolist() for v in row]
         for row, s in zip(e.tolist(), starts):

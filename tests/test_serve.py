@@ -12,7 +12,8 @@ from configurator import UserError
 from conftest import U, alone, assert_same, drive, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
 from request import Request
-from serve_depthbatch import MODES, Engine
+from modes import MODES
+from serve_depthbatch import Engine
 
 
 def random_request(rng, modes=("fixed", "ouro", "dense_ragged", "ete_ragged")):
@@ -207,7 +208,7 @@ def test_a_request_that_can_never_fit_is_rejected_and_nothing_else_moves():
     ok = e.add(Request(prompt(5), 6, "ete_ragged", 0.5))
     with pytest.raises(UserError, match="needs at least 84 KV pages"):   # 20 prompt tokens x U + 4 new
         e.add(Request(prompt(20), 5, "dense_ragged", 0.5))
-    assert [s.req for s in e.waiting] == [ok]
+    assert [s.req for s in e.scheduler.waiting] == [ok]
     e.run([])
     assert ok.finish_reason == "length" and e.pool.used == 0
     # fits the lower bound, not the worst case: alone, it fails cleanly when the pool runs dry
@@ -354,11 +355,11 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
     def checked(groups, exited):
         out = real(groups, exited)
         waiting = e.pending.rows
-        assert all(w < (serve_depthbatch.MAX_WAIT if e.waiting else e.U) for _, _, w in waiting)
-        if waiting and e.waiting:
-            assert len(waiting) * e.w_block < e.w_head * e.max_batch
+        assert all(w < (serve_depthbatch.MAX_WAIT if e.scheduler.waiting else e.U) for _, _, w in waiting)
+        if waiting and e.scheduler.waiting:
+            assert len(waiting) * e.w_block < e.w_head * e.scheduler.max_batch
         elif waiting:      # only where a call costs more than a pass, never the request that ends the batch
-            end = max(e._passes_left(s) for s in e.running)
+            end = max(e._passes_left(s) for s in e.scheduler.running)
             assert e.w_head >= e.w_block and all(e._passes_left(s) + w + 1 <= end for s, _, w in waiting)
         deferred.append(len(waiting))
         return out

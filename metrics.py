@@ -1,0 +1,126 @@
+"""
+What a training run measures on held-out windows (§6): the loss at every fixed depth and of
+ETE-Ragged at each threshold τ, exit fractions and jump rates, the KL of the mean exit distribution
+to the prior, and on labelled data the exit depth by difficulty with Spearman's ρ; and the batches
+of windows that train.py and these measurements draw.
+"""
+import math
+
+import numpy as np
+import torch
+
+from configurator import UserError
+from model import exit_pdf, exit_stats, forward_ragged
+from objectives import kl_global, kl_local
+
+# ----------------------------------------------------------------------------- windows
+
+def draw_starts(data, c, n, generator):
+    return torch.randint(len(data) - c.block_size - 1, (n,), generator=generator).tolist()
+
+
+def windows(data, starts, T, offset=0):
+    return torch.stack([torch.from_numpy(data[i + offset:i + offset + T].astype(np.int64)) for i in starts])
+
+
+def get_batch(data, c, starts, device):
+    x, y = windows(data, starts, c.block_size), windows(data, starts, c.block_size, 1)
+    return x.to(device), y.to(device)
+
+
+def unigram_loss(train, val, vocab_size):
+    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat."""
+    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1
+    logp = np.log(counts / counts.sum())
+    return float(-logp[val].mean())
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def spearman(a, b):
+    """Spearman's rank correlation with average ranks for ties."""
+    def ranks(x):
+        x = np.asarray(x, dtype=np.float64)
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):  # ties share their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def eval_thresholds(c):
+    """--eval_thr's values, in order, each once (checked by RULES; a value given twice is refused)."""
+    thrs = [float(t) for t in str(c.eval_thr).split(",") if t.strip()]
+    if len(set(thrs)) != len(thrs):
+        raise UserError(f"--eval_thr={c.eval_thr}: a threshold given twice; give each once")
+    return thrs
+
+
+@torch.no_grad()
+def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
+    """Fixed-depth and ragged (ETE-Ragged, teacher-forced) val losses, exit statistics at the first
+    eval threshold, the KL of the batch-mean exit distribution, and on synthetic data the exit
+    depth by difficulty (the depth at position i paired with the label of token i+1) and its
+    Spearman correlation, at the first threshold and at each (`*_by_thr`); with item labels (the
+    pointer dataset) also the mean depth over the whole span of items of each difficulty, since the
+    work an answer needs may sit anywhere in its item."""
+    model.eval()
+    g = torch.Generator().manual_seed(c.seed + 1)  # the same eval batches every time
+    U = model.config.n_loops
+    thrs = eval_thresholds(c)
+    fixed, pis, ragged, diffs, spans = [], [], {t: [] for t in thrs}, [], []
+    depth, exits = {t: [] for t in thrs}, {t: [] for t in thrs}
+    for _ in range(c.eval_iters):
+        starts = draw_starts(val, c, c.batch_size, g)
+        x, y = get_batch(val, c, starts, device)
+        with ctx:
+            out = model(x, y)
+            for t in thrs:
+                r = forward_ragged(model, x, y, taus=t)
+                ragged[t].append(float(r["loss"]))
+                depth[t].append(float(r["exits"].double().mean()))
+                exits[t].append(r["exits"].cpu())
+        fixed.append(out["losses"].float().reshape(-1, U).mean(0))
+        pis.append(exit_pdf(out["gate_logits"]).reshape(-1, U))
+        if labels is not None:
+            diffs.append(windows(labels, starts, c.block_size, 1))
+        if item_labels is not None:
+            spans.append(windows(item_labels, starts, c.block_size, 1))
+    model.train()
+    exits = {t: torch.cat(v) for t, v in exits.items()}      # (batches*B, T) per threshold
+    e = exits[thrs[0]]
+    stats = exit_stats(e, U)                                # jumps within each sequence
+    pi = torch.cat(pis)
+    r = lambda v: round(float(v), 5)
+    metrics = {
+        "val_loss_fixed": [r(v) for v in torch.stack(fixed).mean(0)],
+        "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
+        "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
+        "avg_exit_depth": r(e.double().mean()),
+        "exit_fractions": [r(v) for v in stats["exit_fractions"]],
+        "jump_rates": [r(v) for v in stats["jump_rates"]],
+        "large_jump_rate": r(stats["large_jump_rate"]),
+        "kl_global": r(kl_global(pi, prior)),
+        "kl_local": r(kl_local(pi, prior)),
+    }
+    flat = {t: ev.reshape(-1).numpy() for t, ev in exits.items()}
+    mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
+    if diffs:
+        d = torch.cat(diffs).reshape(-1).numpy()
+        rho = {t: spearman(ev[d > 0], d[d > 0]) for t, ev in flat.items()}
+        rho = {t: None if math.isnan(v) else r(v) for t, v in rho.items()}
+        metrics["depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(0, 5))
+        metrics["difficulty_spearman"] = rho[thrs[0]]
+        metrics["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
+    if spans:
+        d = torch.cat(spans).reshape(-1).numpy()
+        metrics["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
+        metrics["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
+    return metrics
