@@ -110,9 +110,10 @@ def as_fixed(r, U):
 
 
 def position_rules(r, start, end):
-    """How the rows of positions start..end-1 of request r run, by its mode (MODES): per position the
-    threshold τ, whether it runs on to its last depth after its exit (full), the exit it replays
-    after a preemption (forced; 0: decide) and the Table 17 depth it keeps."""
+    """How the rows of positions start..end-1 of request r run, by its mode (MODES, §3): per position
+    the threshold τ (Eq. 4; App. E.2 for an ETE prefill), whether it runs on to its last depth after
+    its exit (full), the exit it replays after a preemption (forced; 0: decide) and the Table 17
+    depth it keeps."""
     n = len(r.prompt)
     taus, full, forced, keep = [], [], [], []
     ptaus = None
