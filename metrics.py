@@ -66,7 +66,8 @@ def eval_thresholds(c):
 @torch.no_grad()
 def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
     """Fixed-depth and ragged (ETE-Ragged, teacher-forced) val losses, exit statistics at the first
-    eval threshold, the KL of the batch-mean exit distribution, and on synthetic data the exit
+    eval threshold, the KL of the batch-mean exit distribution, how far each loop moves the state
+    (loop_shift, relative, mean over tokens), and on synthetic data the exit
     depth by difficulty (the depth at position i paired with the label of token i+1) and its
     Spearman correlation, at the first threshold and at each (`*_by_thr`); with item labels (the
     pointer dataset) also the mean depth over the whole span of items of each difficulty, since the
@@ -75,19 +76,20 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
     g = torch.Generator().manual_seed(c.seed + 1)  # the same eval batches every time
     U = model.config.n_loops
     thrs = eval_thresholds(c)
-    fixed, pis, ragged, diffs, spans = [], [], {t: [] for t in thrs}, [], []
+    fixed, shifts, pis, ragged, diffs, spans = [], [], [], {t: [] for t in thrs}, [], []
     depth, exits = {t: [] for t in thrs}, {t: [] for t in thrs}
     for _ in range(c.eval_iters):
         starts = draw_starts(val, c, c.batch_size, g)
         x, y = get_batch(val, c, starts, device)
         with ctx:
-            out = model(x, y)
+            out = model(x, y, loop_shift=True)
             for t in thrs:
                 r = forward_ragged(model, x, y, taus=t)
                 ragged[t].append(float(r["loss"]))
                 depth[t].append(float(r["exits"].double().mean()))
                 exits[t].append(r["exits"].cpu())
         fixed.append(out["losses"].float().reshape(-1, U).mean(0))
+        shifts.append(out["loop_shift"].reshape(-1, U).mean(0))
         pis.append(exit_pdf(out["gate_logits"]).reshape(-1, U))
         if labels is not None:
             diffs.append(windows(labels, starts, c.block_size, 1))
@@ -109,18 +111,29 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
         "large_jump_rate": r(stats["large_jump_rate"]),
         "kl_global": r(kl_global(pi, prior)),
         "kl_local": r(kl_local(pi, prior)),
+        "loop_shift": [r(v) for v in torch.stack(shifts).mean(0)],
     }
+    metrics.update(by_difficulty(exits, diffs, spans, thrs))
+    return metrics
+
+
+def by_difficulty(exits, diffs, spans, thrs):
+    """The exit depths {τ: (windows, T)} against the difficulty labels of their tokens (diffs: the
+    label of the token each position predicts) or of their items (spans): mean depth per label at
+    the first τ, and Spearman's ρ (tokens) or the mean depth per label (items) at every τ."""
     flat = {t: ev.reshape(-1).numpy() for t, ev in exits.items()}
+    r = lambda v: round(float(v), 5)
     mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
+    out = {}
     if diffs:
         d = torch.cat(diffs).reshape(-1).numpy()
         rho = {t: spearman(ev[d > 0], d[d > 0]) for t, ev in flat.items()}
         rho = {t: None if math.isnan(v) else r(v) for t, v in rho.items()}
-        metrics["depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(0, 5))
-        metrics["difficulty_spearman"] = rho[thrs[0]]
-        metrics["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
+        out["depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(0, 5))
+        out["difficulty_spearman"] = rho[thrs[0]]
+        out["difficulty_spearman_by_thr"] = {str(t): v for t, v in rho.items()}
     if spans:
         d = torch.cat(spans).reshape(-1).numpy()
-        metrics["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
-        metrics["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
-    return metrics
+        out["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
+        out["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
+    return out

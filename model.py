@@ -228,13 +228,15 @@ class LoopedLM(nn.Module):
             return checkpoint(lambda x: token_ce(self.lm_head(x), targets), hn, use_reentrant=False)
         return token_ce(self.lm_head(hn), targets)
 
-    def forward(self, idx, targets=None, keep_logits=False):
+    def forward(self, idx, targets=None, keep_logits=False, loop_shift=False):
         """Dense forward through all U depths (how Ouro trains: every token runs every loop).
 
         Returns a dict with
           gate_logits (B, T, U) fp32,
           losses      (B, T, U): ℓ_{i,d}, next-token loss of every token at every depth (if targets),
-          logits      list of U tensors (B, T, V) (only if keep_logits).
+          logits      list of U tensors (B, T, V) (only if keep_logits),
+          loop_shift  (B, T, U): how far each loop moves the state, |block(h) - h| / |h| (only if
+                      loop_shift): the paper's sign of a loop that acts as identity (App. B, Figure 7).
         During training each depth's logits are recomputed in the backward pass
         (checkpointing), so at most one full-vocabulary logits tensor is alive at a time.
         """
@@ -243,9 +245,12 @@ class LoopedLM(nn.Module):
             raise UserError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         h = self.embed_tokens(idx)
         cos, sin = self.rope(torch.arange(T, device=idx.device), h.dtype)
-        gates, losses, logits = [], [], []
+        gates, losses, logits, shifts = [], [], [], []
         for _ in range(self.config.n_loops):
-            h = self.block(h, cos, sin)
+            h_in, h = h, self.block(h, cos, sin)
+            if loop_shift:
+                d, h0 = (h - h_in).to(at_least_fp32(h.dtype)), h_in.to(at_least_fp32(h.dtype))   # never in bf16
+                shifts.append(d.norm(dim=-1) / h0.norm(dim=-1).clamp_min(1e-12))
             hn, gate, h = self.exit_heads(h)
             gates.append(gate)
             if targets is not None:
@@ -257,6 +262,8 @@ class LoopedLM(nn.Module):
             out["losses"] = torch.stack(losses, -1)
         if keep_logits:
             out["logits"] = logits
+        if loop_shift:
+            out["loop_shift"] = torch.stack(shifts, -1)
         return out
 
 

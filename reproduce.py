@@ -13,7 +13,7 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
   - ragged-aware branch-offs (direct, counterfactual, REINFORCE K=4; App. C) from the finished local
     and global Poisson runs, each into its own folder (the parent stays untouched), and as a control
     the same continuation with the dense objective (RA or just more training?);
-  - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global Poisson;
+  - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global and local Poisson;
   - synthetic data (difficulty labels) for the whole grid, shakespeare_char for the local/global
     Poisson pair (--input, a local copy of tiny shakespeare);
   - the pointer task (k look-ups that can only start once the query is read): local vs global with
@@ -128,9 +128,11 @@ def grid(c):
                 data="graded", scope=scope, prior="poisson", seed=seeds[0], max_k=MAX_K["graded"],
                 parent=f"grd-{scope}-poisson-s{seeds[0]}", **({"ra": "direct"} if extra else {}),
                 args=["--prior=poisson", f"--seed={seeds[0]}"] + extra + (["--global_kl"] if scope == "global" else []))
-    runs["syn-global-poisson-flatbeta"] = dict(data="synthetic", scope="global", prior="poisson", seed=seeds[0],
-                                               beta=0.1, args=["--prior=poisson", f"--seed={seeds[0]}", "--global_kl",
-                                                               "--beta=0.1"])
+    for scope in ("global", "local"):     # Figure 7's flat β: the paper's runs use Ouro's local objective
+        runs[f"syn-{scope}-poisson-flatbeta"] = dict(
+            data="synthetic", scope=scope, prior="poisson", seed=seeds[0], beta=0.1,
+            args=["--prior=poisson", f"--seed={seeds[0]}", "--beta=0.1"] + (["--global_kl"] if scope == "global"
+                                                                             else []))
     return runs
 
 
@@ -213,17 +215,20 @@ def builtin_by_depth(folder, kind, max_k, per_level, U):
 def window_losses(folder, data, n=160, batch=16):
     """The units the claims resample (claims.py): n held-out windows of the model's context, drawn
     with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean loss
-    at each fixed depth, and ETE-Ragged's mean loss and mean exit depth at each τ of THRS."""
+    at each fixed depth, how far each loop moves the state (relative), and ETE-Ragged's mean loss
+    and mean exit depth at each τ of THRS."""
     model, _ = load_checkpoint(folder)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
     T = model.config.block_size
     starts = np.random.default_rng(0).integers(0, len(val) - T - 1, n)
-    out = {"fixed": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
+    out = {"fixed": [], "shift": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
     r = lambda xs: [round(float(v), 5) for v in xs]
     for i in range(0, n, batch):
         x = torch.tensor(np.stack([val[s:s + T] for s in starts[i:i + batch]]))
         y = torch.tensor(np.stack([val[s + 1:s + T + 1] for s in starts[i:i + batch]]))
-        out["fixed"] += [r(w) for w in model(x, y)["losses"].float().mean(1)]      # (windows, U)
+        dense = model(x, y, loop_shift=True)
+        out["fixed"] += [r(w) for w in dense["losses"].float().mean(1)]            # (windows, U)
+        out["shift"] += [r(w) for w in dense["loop_shift"].mean(1)]
         for t in THRS:
             rag = forward_ragged(model, x, y, taus=t)
             out["ragged"][str(t)] += r(rag["token_loss"].mean(1))
@@ -387,11 +392,11 @@ def figure_curves(plt, R, pair, s0):
     """Figure 5 (and 7): training curves, the ragged-aware branch and its dense control after the
     global parent, and the loss gain of loops 2..U over loop 1 (what a collapse to depth 1 removes)."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
-    runs = pair + [(R.get("syn-global-poisson-flatbeta"), "global, flat β=0.1")]
+    runs = pair + [(R.get(f"syn-{s}-poisson-flatbeta"), f"{s}, flat β=0.1") for s in ("global", "local")]
     for r, s in runs:
         if not r:
             continue
-        col = COLORS.get(s, "tab:orange")
+        col = COLORS.get(s, "tab:orange" if s.startswith("global") else "tab:purple")
         late = r["curve"][1:]   # the untrained model's loss would flatten everything after it
         toks = [p["tokens"] for p in late]
         a1.plot(toks, [p["val_loss_fixed"][-1] for p in late], "--", color=col, label=f"{s}: fixed@U")

@@ -88,6 +88,27 @@ def test_dense_forward_losses_match_logits_and_grad_flows():
     assert model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
+def test_loop_shift_is_zero_for_an_identity_loop_and_the_relative_step_otherwise():
+    """loop_shift (Figure 7's diagnostic): with every layer's output projections zeroed, the block is
+    the identity and each loop moves nothing; with one loop's layers acting, its shift is
+    |block(h) - h| / |h| computed from the layers one at a time, in float64."""
+    model = random_model(int(torch.randint(0, 2**31, ())))
+    x = torch.randint(0, 37, (2, 12))
+    with torch.no_grad():
+        h = model.embed_tokens(x)
+        cos, sin = model.rope(torch.arange(12), h.dtype)
+        out = h
+        for layer in model.layers:
+            out = layer(out, cos, sin)
+        want = (out - h).norm(dim=-1) / h.norm(dim=-1)
+        got = model(x, loop_shift=True)["loop_shift"]
+        assert got.shape == (2, 12, 4) and torch.allclose(got[..., 0], want, atol=1e-12, rtol=0)
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        assert model(x, loop_shift=True)["loop_shift"].abs().max() < 1e-12
+
+
 def test_dense_forward_is_causal():
     model = random_model(1)
     x = torch.randint(0, 37, (1, 20))

@@ -182,11 +182,18 @@ def test_eval_metrics_against_brute_force(data_dir):
     prior = objectives.exit_prior("uniform", 4)
     m = metrics.evaluate(model, val, labels, c, prior, torch.autocast("cpu", enabled=False), "cpu")
     g = torch.Generator().manual_seed(c.seed + 1)
-    exits, labs, at_03 = [], [], []
+    exits, labs, at_03, shifts = [], [], [], []
     for _ in range(2):
         starts = metrics.draw_starts(val, c, 4, g)
         x, _ = metrics.get_batch(val, c, starts, "cpu")
         e = forward_ragged(model, x, taus=0.5)["exits"]
+        with torch.no_grad():                                       # each loop's |block(h) - h| / |h|, by hand
+            h = model.embed_tokens(x)
+            cos, sin = model.rope(torch.arange(16), h.dtype)
+            for _ in range(4):
+                out = model.block(h, cos, sin)
+                shifts.append(((out - h).norm(dim=-1) / h.norm(dim=-1)).reshape(-1))
+                h = model.exit_heads(out)[2]
         at_03 += [v for row in forward_ragged(model, x, taus=0.3)["exits"].tolist() for v in row]
         for row, s in zip(e.tolist(), starts):
             exits.append(row)
@@ -206,6 +213,8 @@ def test_eval_metrics_against_brute_force(data_dir):
         got = m["difficulty_spearman_by_thr"][t]
         assert (got is None and np.isnan(rho)) or abs(got - rho) < 1e-4, (t, got, rho)
     assert m["difficulty_spearman"] == m["difficulty_spearman_by_thr"]["0.5"]
+    by_loop = torch.stack(shifts).reshape(2, 4, -1).mean(-1).mean(0)   # per loop: batches, then tokens
+    assert all(abs(m["loop_shift"][d] - float(by_loop[d])) < 1e-4 for d in range(4))
 
 
 def brute_spearman(a, b):

@@ -134,8 +134,9 @@ def test_claims_are_computed_from_the_numbers():
     assert "synthetic: global 20.0% (19.0–21.0%), local 0.3% (0.2–0.4%) (+19.7 points)" in jumps["numbers"]
     ra = next(c for c in cl.values() if "direct" in c["claim"])          # no dense continuation to compare with
     assert ra["holds"] is None and ra["verdict"] == "untested" and "ragged@0.5 1.5000 (fixed@U 1.6500" in ra["numbers"]
-    flat = next(c for c in cl.values() if "flat" in c["claim"])
-    assert flat["holds"] and "loss gain of loops 2..U over loop 1: 0.0200 vs 0.3500" in flat["numbers"]
+    flat = next(c for c in cl.values() if "flat" in c["claim"])                 # no windows: point values only
+    assert flat["holds"] is None and flat["verdict"] == "untested (no interval)"
+    assert "loss gain of loops 2..U over loop 1: 0.0200 vs 0.3500" in flat["numbers"]
     assert "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
     frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])   # no windows: points only, no verdict
     assert frontier["holds"] is None and "synthetic: 20 point below" in frontier["numbers"]   # 5 base runs x 4 τ
@@ -146,9 +147,26 @@ def test_claims_are_computed_from_the_numbers():
     worse = hand_made()
     worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
     assert next(c for c in claims.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"] is False
-    worse[5]["final"]["val_loss_fixed"] = [2.0, 1.7, 1.6, 1.6]        # loops 2..U gain 0.4: no collapse
-    flat = next(c for c in claims.claims(worse, [1, 2]) if "flat" in c["claim"])
-    assert flat["holds"] is None and flat["verdict"] == "not reproduced at this scale"
+
+
+def test_flat_beta_is_judged_on_the_windows_with_the_loop_shift_beside():
+    """Flat β against the schedule, per scope: the ratio of what loops 2..U gain over loop 1, with
+    its interval over the same held-out windows; below 1/2 a collapse, else not reproduced here."""
+    seed = int(torch.randint(0, 2**31, ()))
+    for scope in ("global", "local"):
+        sched = fake_run(f"syn-{scope}-poisson-s1", scope, fixed=(2.0, 1.7, 1.65, 1.65))
+        sched["windows"] = windows(sched["final"]["val_loss_fixed"], 1.7, 2.0, seed)
+        sched["final"]["loop_shift"] = [0.9, 0.3, 0.2, 0.1]
+        for fixed, holds in (((2.0, 1.99, 1.98, 1.99), True), ((2.0, 1.8, 1.7, 1.7), None)):
+            flat = fake_run(f"syn-{scope}-poisson-flatbeta", scope, beta=0.1, fixed=fixed)
+            flat["windows"] = windows(fixed, 1.9, 2.0, seed)
+            flat["final"]["loop_shift"] = [0.9, 0.01, 0.01, 0.0]
+            [claim] = claims.flat_beta_claims({r["name"]: r for r in (sched, flat)}, [1])
+            assert claim["holds"] is holds and f"({scope} KL)" in claim["claim"], claim
+            assert claim.get("verdict") == (None if holds else "not reproduced at this scale")
+            gain = (2.0 - min(fixed[1:])) / 0.35
+            assert f"flat over schedule, the gain of loops 2..U: {gain:.2f} [" in claim["numbers"]
+            assert "‖Δh‖ / ‖h‖: 0.900 / 0.010 / 0.010 / 0.000 vs 0.900 / 0.300 / 0.200 / 0.100" in claim["numbers"]
 
 
 def test_verdicts_with_windows_follow_their_intervals():
@@ -228,12 +246,15 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 41 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    assert len(results) == 42 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 41
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 42
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Graded task (hidden k): the answer's exit depth rises with k" in text and "RA minus dense: " in text
+    for scope in ("global", "local"):       # flat β, judged on the windows, each loop's shift beside
+        assert f"depth-1 behaviour ({scope} KL)" in text
+    assert text.count("flat over schedule, the gain of loops 2..U: ") == 2 and text.count("‖Δh‖ / ‖h‖: ") == 2
     for f in ("frontier.png", "exit_fractions.png", "exit_trace.png", "exit_trace_pointer.png", "exit_trace_hops.png",
               "training_curves.png", "depth_by_difficulty.png", "graded_by_k.png", "exit_trace_graded.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
