@@ -44,7 +44,8 @@ import eval as eval_suite
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from claims import MAX_K, POINTER_TASKS, TASK_PRIORS, THRS, claims, graded_runs, graded_tables, replicates, rollouts
+from claims import (MAX_K, POINTER_TASKS, TASK_PRIORS, THRS, claims, deepest, graded_runs, graded_tables, replicates,
+                    rollouts)
 from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from model import forward_ragged
 from tokenizer import load_tokenizer
@@ -428,7 +429,7 @@ def figure_graded(plt, R, pair, s0):
     if not all(runs.values()):
         return None
     levels = sorted(int(k) for k in runs["global"][0]["fixed@1"])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 3.8))
     for s, suites in runs.items():
         for j, t in enumerate(sorted(THRS)):
             for ax, key in ((a1, "answer_depth"), (a2, "correct")):
@@ -446,7 +447,30 @@ def figure_graded(plt, R, pair, s0):
     a2.set(xlabel="k", ylabel="accuracy at the exit", xticks=levels, ylim=(0, 1.05))
     a1.legend(fontsize=6, ncol=2)
     a2.legend(fontsize=6, ncol=2)
-    return fig, "graded_by_k.png", "The graded task: answer depth and accuracy per hidden k, local vs global, per τ"
+    compute_frontier(a3, R, runs, levels)
+    return fig, "graded_by_k.png", ("The graded task: answer depth and accuracy per hidden k, local vs global, per τ; "
+                                    "accuracy against compute (Σ e over the item), every k together")
+
+
+def compute_frontier(ax, R, runs, levels):
+    """Accuracy against the loops spent on the whole item (Σ e), every k pooled: each fixed depth as
+    a curve per scope, ETE-Ragged at each τ as points, and after ragged-aware training (the
+    direct branch of the first seed). Seeds and items pooled; the intervals are in RESULTS.md."""
+    pool = lambda suites, mode, key: np.concatenate([rollouts(b, mode, k, key) for b in suites for k in levels])
+    for s, suites in runs.items():
+        ra = R.get(f"grd-{s}-poisson-ra-direct")
+        for label, group, marker in ((s, suites, "o"), (f"{s} + RA", [ra["builtin"]] if ra else [], "*")):
+            if not group:
+                continue
+            spend = lambda mode: (pool(group, mode, "sum_exits").mean(), pool(group, mode, "correct").mean())
+            if marker == "o":
+                fx = [spend(f"fixed@{d}") for d in range(1, deepest(group[0]) + 1)]
+                ax.plot(*zip(*fx), "^:", color=COLORS[s], label=f"{s}: fixed@1..U")
+            ete = [spend(f"ete_ragged@{t}") for t in sorted(THRS)]
+            ax.plot(*zip(*ete), marker, color=COLORS[s], ms=7 if marker == "*" else 4, ls="none",
+                    label=f"{label}: ETE-Ragged τ {' / '.join(map(str, sorted(THRS)))}")
+    ax.set(xlabel="Σ e over the item (loops, prompt and answer)", ylabel="accuracy, every k", ylim=(0, 1.05))
+    ax.legend(fontsize=6)
 
 
 def figure_difficulty(plt, R, pair, s0):
