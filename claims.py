@@ -191,6 +191,10 @@ def ra_claims(R):
                             verdict="untested"))
             continue
         numbers += f"; the dense continuation: ragged@0.5 {control['final']['val_loss_ragged']['0.5']:.4f}"
+        if r.get("builtin") and control.get("builtin"):      # a look-up task: what the loss change does to answers
+            acc = lambda b: b["ete_ragged@0.5"][str(r["max_k"])]["acc"]
+            numbers += (f"; accuracy on {r['max_k']} look-ups at ETE-Ragged τ 0.5 (greedy): "
+                        f"RA {acc(r['builtin']):.2f}, dense {acc(control['builtin']):.2f}")
         if r.get("windows") and control.get("windows"):
             pair = (r["windows"]["ragged"]["0.5"], control["windows"]["ragged"]["0.5"])
             value, reps = replicates([pair], np.subtract)

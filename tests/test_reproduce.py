@@ -11,6 +11,7 @@ import torch
 import claims
 import reproduce
 import tasks
+from figures import draw
 
 
 def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions=(0.4, 0.3, 0.2, 0.1), rho=0.3,
@@ -232,7 +233,7 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
     rows = reproduce.table_rows(results)
     assert len(rows) == len(results) and all(len(r) == len(reproduce.COLUMNS) for r in rows)
     assert rows[0][4] == "2.000 / 1.800 / 1.700 / 1.650" and rows[0][10] == "0.2%"
-    figures = reproduce.draw(results, str(tmp_path), [1, 2])
+    figures = draw(results, str(tmp_path), [1, 2])
     assert {f for f, _ in figures} == {"frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png",
                                        "depth_by_difficulty.png"}
     for f, _ in figures:
@@ -246,10 +247,10 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 42 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    assert len(results) == 46 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 42
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 46
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Graded task (hidden k): the answer's exit depth rises with k" in text and "RA minus dense: " in text
     for scope in ("global", "local"):       # flat β, judged on the windows, each loop's shift beside
@@ -276,6 +277,11 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     graded = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
     assert graded["parent"] == "grd-global-poisson-s1337" and graded["max_k"] == 4 and graded["ra"] == "direct"
     assert len(graded["builtin"]["ete_ragged@0.5"]["3"]["rollouts"]["correct"]) == 2     # 2 items per k
+    hop_ra = json.load(open(os.path.join(out, "hop-local-poisson-ra-direct", "result.json")))
+    assert hop_ra["parent"] == "hop-local-poisson-s1337" and hop_ra["max_k"] == 2 and hop_ra["ra"] == "direct"
+    for scope in ("global", "local"):        # RA on the look-up tasks: against the dense continuation, answers beside
+        assert f"Ragged-aware training (direct, {scope}, hops) lowers" in text
+    assert text.count("accuracy on 2 look-ups at ETE-Ragged τ 0.5 (greedy): RA ") == 2
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
     reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
