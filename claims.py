@@ -127,10 +127,12 @@ def frontier_claim(results):
                "ETE-Ragged's average depth, or a mix of two), 95% intervals over held-out windows: "
                + "; ".join(f"{data}: {part(c)}" for data, c in counts.items()))
     claim = "ETE-Ragged beats fixed depths at equal average depth (Figure 1)"
+    rule = ("holds when more than half of the (run, τ) points with windows lie below the envelope (the 95% interval "
+            "of the gap below 0); points without windows are listed, not counted")
     if not tested:
-        return dict(claim=claim, numbers=numbers + " (no run has per-window losses: point values only)", holds=None,
-                    verdict="untested (no intervals)")
-    return dict(claim=claim, numbers=numbers, holds=total["below"] > tested / 2)
+        return dict(claim=claim, numbers=numbers + " (no run has per-window losses: point values only)", rule=rule,
+                    holds=None, verdict="untested (no intervals)")
+    return dict(claim=claim, numbers=numbers, rule=rule, holds=total["below"] > tested / 2)
 
 
 # ----------------------------------------------------------------------------- the claims
@@ -165,11 +167,18 @@ def jump_claims(results):
     numbers = "large-jump rate, Poisson, global vs local (seed mean, spread): " + "; ".join(
         f"{data}: global {pct(g)}, local {pct(l)} ({'+' if g[0] >= l[0] else '−'}{100 * abs(g[0] - l[0]):.1f} points)"
         for data, _, g, l in rows)
-    claim = "Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%)"
+    claim = dict(claim="Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%)",
+                 numbers=numbers, rule="holds on a dataset when global's rate is at least 3x local's plus 2 points "
+                                       "(seed means; the spread over seeds beside)")
     if all(ok) or not any(ok):
-        return [dict(claim=claim, numbers=numbers, holds=all(ok))]
+        return [dict(claim, holds=all(ok))]
     where = ", ".join(data for (data, *_), o in zip(rows, ok) if o)
-    return [dict(claim=claim, numbers=numbers, holds=None, verdict=f"on {sum(ok)} of {len(ok)} datasets ({where})")]
+    return [dict(claim, holds=None, verdict=f"on {sum(ok)} of {len(ok)} datasets ({where})")]
+
+
+RA_RULE = "holds when RA minus dense has its 95% interval (paired over the held-out windows) below 0"
+FLAT_RULE = ("holds when flat over schedule has its 95% interval below 1/2; else not reproduced at this scale "
+             "(a run that does not collapse here says nothing of the paper's scale)")
 
 
 def ra_claims(R):
@@ -187,8 +196,8 @@ def ra_claims(R):
         claim = (f"Ragged-aware training ({r['ra']}, {r['scope']}, {r['data']}) lowers the ragged loss beyond the "
                  "same continuation with the dense objective")
         if not control:
-            out.append(dict(claim=claim, numbers=numbers + "; no dense continuation to compare", holds=None,
-                            verdict="untested"))
+            out.append(dict(claim=claim, rule=RA_RULE, numbers=numbers + "; no dense continuation to compare",
+                            holds=None, verdict="untested"))
             continue
         numbers += f"; the dense continuation: ragged@0.5 {control['final']['val_loss_ragged']['0.5']:.4f}"
         if r.get("builtin") and control.get("builtin"):      # a look-up task: what the loss change does to answers
@@ -198,12 +207,12 @@ def ra_claims(R):
         if r.get("windows") and control.get("windows"):
             pair = (r["windows"]["ragged"]["0.5"], control["windows"]["ragged"]["0.5"])
             value, reps = replicates([pair], np.subtract)
-            out.append(dict(claim=claim, numbers=numbers + f"; RA minus dense: {ci(value, reps, 4)} nats",
+            out.append(dict(claim=claim, rule=RA_RULE, numbers=numbers + f"; RA minus dense: {ci(value, reps, 4)} nats",
                             holds=sign_of(reps) < 0))
         else:
             gap = f["val_loss_ragged"]["0.5"] - control["final"]["val_loss_ragged"]["0.5"]
-            out.append(dict(claim=claim, numbers=numbers + f"; RA minus dense: {gap:+.4f} nats (one seed, no interval)",
-                            holds=None, verdict="untested (no interval)"))
+            out.append(dict(claim=claim, rule=RA_RULE, holds=None, verdict="untested (no interval)",
+                            numbers=numbers + f"; RA minus dense: {gap:+.4f} nats (one seed, no interval)"))
     return out
 
 
@@ -230,7 +239,7 @@ def flat_beta_claims(R, seeds):
         claim = (f"A flat β = 0.1 from the start collapses to depth-1 behaviour ({scope} KL): the loops after the "
                  "first do next to nothing (Figure 7)")
         if not (flat.get("windows") and sched.get("windows")):
-            out.append(dict(claim=claim, numbers=numbers + " (one run each, no interval)", holds=None,
+            out.append(dict(claim=claim, rule=FLAT_RULE, numbers=numbers + " (one run each, no interval)", holds=None,
                             verdict="untested (no interval)"))
             continue
         U = len(ff["val_loss_fixed"])
@@ -239,30 +248,56 @@ def flat_beta_claims(R, seeds):
         value, reps = replicates([depths(flat) + depths(sched)], lambda *m: gains(m[:U]) / gains(m[U:]))
         numbers += f"; flat over schedule, the gain of loops 2..U: {ci(value, reps)} (held-out windows)"
         holds = interval(reps)[1] < 0.5
-        out.append(dict(claim=claim, numbers=numbers, holds=True if holds else None,
+        out.append(dict(claim=claim, rule=FLAT_RULE, numbers=numbers, holds=True if holds else None,
                         **({} if holds else {"verdict": "not reproduced at this scale"})))
     return out
 
 
 def difficulty_claims(R, seeds):
-    """Exits follow difficulty on the synthetic data (shown only qualitatively in the paper).
-    Spearman is undefined when every labelled token exits at one depth: counted as 0 (no relation),
-    and said so."""
-    out, rho, by = [], {}, {}
-    for s in ("local", "global"):
-        finals = [R[f"syn-{s}-poisson-s{x}"]["final"] for x in seeds if f"syn-{s}-poisson-s{x}" in R]
-        rho[s] = mean_spread([f.get("difficulty_spearman") or 0.0 for f in finals])
-        by[s] = [np.mean([f["depth_by_difficulty"][str(k)] for f in finals if f["depth_by_difficulty"].get(str(k))
-                          is not None] or [np.nan]) for k in range(1, 5)]
-    if rho["global"][0] is not None and rho["local"][0] is not None:
-        depths = lambda s: " / ".join(f"{d:.2f}" for d in by[s])
-        out.append(dict(claim="Exit depth rises with the next token's difficulty, more under global than local "
-                              "enforcement",
-                        numbers=f"Spearman(depth before a labelled token, its difficulty 1..4), Poisson: global "
-                                f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
-                                f"global {depths('global')}, local {depths('local')} (0 where the depth is constant)",
-                        holds=rho["global"][0] > rho["local"][0]))
-    return out
+    """Exits follow difficulty on the synthetic data (shown only qualitatively in the paper): the
+    mean exit depth before tokens of difficulty 4 minus difficulty 1, per scope over the same
+    held-out windows (seeds, then windows resampled), and global minus local (rise_verdict).
+    Spearman beside it, undefined when every labelled token exits at one depth: counted as 0."""
+    runs = {s: [R[n] for n in (f"syn-{s}-poisson-s{x}" for x in seeds) if n in R] for s in ("local", "global")}
+    if not all(runs.values()):
+        return []
+    rho = {s: mean_spread([r["final"].get("difficulty_spearman") or 0.0 for r in rs]) for s, rs in runs.items()}
+    mean_at = lambda s, k: np.mean([r["final"]["depth_by_difficulty"].get(str(k)) or np.nan for r in runs[s]])
+    by = lambda s: " / ".join(f"{mean_at(s, k):.2f}" for k in range(1, 5))
+    claim = dict(claim="Exit depth rises with the next token's difficulty, more under global than local enforcement",
+                 numbers=f"Spearman(depth before a labelled token, its difficulty 1..4), Poisson: global "
+                         f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
+                         f"global {by('global')}, local {by('local')}", rule=RISE_RULE)
+    labelled = lambda r, k: tuple(np.asarray(r["windows"]["labels"], dtype=float)[:, k].T)   # (tokens, Σ depth)
+    if not all("labels" in r.get("windows", {}) and labelled(r, 1)[0].sum() and labelled(r, 4)[0].sum()
+               for rs in runs.values() for r in rs):
+        return [dict(claim, holds=None, verdict="untested (no interval)")]
+    with np.errstate(invalid="ignore", divide="ignore"):     # a replicate may draw no token of a label: nan
+        rise = {s: replicates([labelled(r, 4) + labelled(r, 1) for r in rs], lambda n4, d4, n1, d1: d4 / n4 - d1 / n1)
+                for s, rs in runs.items()}
+    text, holds = rise_verdict(rise)
+    return [dict(claim, numbers=f"ETE-Ragged τ 0.5, mean depth before a token of difficulty 4 minus 1 (seeds and "
+                                f"held-out windows resampled): {text}; " + claim["numbers"], holds=holds)]
+
+
+RISE_RULE = "holds when global's rise and global minus local both have 95% intervals above 0"
+
+
+def rise_verdict(rise):
+    """{scope: (value, replicates)} of a rise with difficulty -> (numbers, holds): global's rise and
+    global minus local (independent seeds: the replicates subtract unpaired) both clearly above 0."""
+    diff = rise["global"][1] - rise["local"][1]
+    text = (f"global {ci(*rise['global'])}, local {ci(*rise['local'])}; global minus local "
+            f"{ci(rise['global'][0] - rise['local'][0], diff)}")
+    return text, sign_of(rise["global"][1]) > 0 and sign_of(diff) > 0
+
+
+def answer_rise(suites, lo, hi, mode="ete_ragged@0.5"):
+    """{scope: (value, replicates)}: the answer's exit depth at k = hi minus k = lo over a look-up
+    task's builtin items (seeds, then items resampled; different items: unpaired)."""
+    groups = lambda s: [(rollouts(b, mode, hi, "answer_depth"), rollouts(b, mode, lo, "answer_depth"))
+                        for b in suites[s]]
+    return {s: replicates(groups(s), np.subtract, paired=False) for s in suites}
 
 
 def pointer_claims(R, seeds):
@@ -283,33 +318,44 @@ def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
     if not all(suites.values()):
         return out
     levels = sorted({k for b in suites["global"] for k in b["fixed@1"]}, key=int)
-    hard, U = levels[-1], len(finals["global"][0]["val_loss_fixed"])
+    lo, hard, U = levels[0], levels[-1], len(finals["global"][0]["val_loss_fixed"])
+    items = all(rollouts(b, mode, k, "correct") is not None for s in suites for b in suites[s]
+                for mode in ("fixed@1", f"fixed@{U}", "ete_ragged@0.5") for k in (lo, hard))
     acc = lambda s, mode, k: np.mean([b[mode][k]["acc"] for b in suites[s]])
-    gain = {s: acc(s, f"fixed@{U}", hard) - acc(s, "fixed@1", hard) for s in suites}
     table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}" for d in range(1, U + 1))
                                 for k in levels)
-    out.append(dict(claim=f"{name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest "
-                          "k), the precondition of the next claim",
-                    numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} "
-                            f"seed(s): global {table('global')}; local {table('local')}",
-                    holds=min(gain.values()) >= 0.1))
-    rho = {s: mean_spread([f.get("difficulty_spearman") or 0.0 for f in finals[s]]) for s in finals}
-    seen = lambda s, key, k: [f[key][k] for f in finals[s] if f[key].get(k) is not None] or [np.nan]
-    per_k = lambda s, key: " / ".join(f"{np.mean(seen(s, key, k)):.2f}" for k in levels)
+    need = dict(claim=f"{name}: depth buys accuracy (fixed@U clearly above fixed@1 at the largest k), the "
+                      "precondition of the next claim",
+                numbers=f"builtin suite, greedy, accuracy at fixed@1..{U} per k, mean of {len(suites['global'])} "
+                        f"seed(s): global {table('global')}; local {table('local')}", rule=GAIN_RULE)
     depth = lambda s, k: np.mean([b["ete_ragged@0.5"][k]["answer_depth"] for b in suites[s]])
     ragged = lambda s: " / ".join(f"{acc(s, 'ete_ragged@0.5', k):.2f} at {depth(s, k):.2f}" for k in levels)
-    span = "span_depth_by_difficulty"
-    out.append(dict(claim=f"{name}: the answer's exit depth rises with k, more under global than local "
-                          "enforcement (k can be read from the item's length: a test of visible difficulty)",
-                    numbers=f"Spearman(exit depth before an answer, its k): global {num(rho['global'])}, local "
-                            f"{num(rho['local'])}; mean exit depth over the item span at k = {'/'.join(levels)}: "
-                            f"global {per_k('global', span)}, local {per_k('local', span)}; ETE-Ragged τ 0.5 "
-                            f"accuracy at answer depth per k: global {ragged('global')}, local {ragged('local')}",
-                    holds=rho["global"][0] > max(rho["local"][0], 0.0)))   # rising at all, and more than local
+    rho = {s: mean_spread([f.get("difficulty_spearman") or 0.0 for f in finals[s]]) for s in finals}
+    span = lambda s, k: [f["span_depth_by_difficulty"][k] for f in finals[s]
+                         if f["span_depth_by_difficulty"].get(k) is not None] or [np.nan]
+    per_k = lambda s: " / ".join(f"{np.mean(span(s, k)):.2f}" for k in levels)
+    rise = dict(claim=f"{name}: the answer's exit depth rises with k, more under global than local enforcement (k "
+                      "can be read from the item's length: a test of visible difficulty)",
+                numbers=f"ETE-Ragged τ 0.5 accuracy at answer depth per k: global {ragged('global')}, local "
+                        f"{ragged('local')}; mean exit depth over the item span at k = {'/'.join(levels)}: global "
+                        f"{per_k('global')}, local {per_k('local')}; Spearman(exit depth before an answer, its k), "
+                        f"which measures how well the levels separate: global {num(rho['global'])}, local "
+                        f"{num(rho['local'])}",
+                rule=RISE_RULE)
     sweep = sweep_numbers(finals, suites, hard)
-    if sweep:
-        out[-1]["numbers"] += "; " + sweep
-    return out
+    rise["numbers"] += "; " + sweep if sweep else ""
+    if not items:       # a result from before the builtin suites kept their rollouts: point values only
+        return [dict(c, holds=None, verdict="untested (no interval)") for c in (need, rise)]
+    groups = [(rollouts(b, f"fixed@{U}", hard, "correct"), rollouts(b, "fixed@1", hard, "correct"))
+              for s in suites for b in suites[s]]
+    value, reps = replicates(groups, np.subtract)
+    need["numbers"] += f"; fixed@{U} minus fixed@1 at k={hard}, both scopes: {ci(value, reps)}"
+    text, holds = rise_verdict(answer_rise(suites, lo, hard))
+    rise["numbers"] = f"answer depth at k={hard} minus k={lo}: {text}; " + rise["numbers"]
+    return [dict(need, holds=sign_of(reps) > 0 and value >= 0.1), dict(rise, holds=holds)]
+
+
+GAIN_RULE = "holds when the gain is at least 0.1 with its 95% interval above 0"
 
 
 def sweep_numbers(finals, suites, hard):
@@ -371,19 +417,12 @@ def graded_claims(R):
                         f"seeds: " + "; ".join(notes) + "; the depth each k needs (the shallowest fixed depth "
                         "within 0.05 of the best, seed means), k = " + "/".join(map(str, levels)) + ": "
                         + ", ".join(f"{s} " + "/".join(str(needed_depth(suites[s], k, U)) for k in levels)
-                                    for s in suites), holds=all(needs))]
-    lo_k, hi_k, mode = levels[0], levels[-1], "ete_ragged@0.5"
-    rise = {}
-    for s in suites:
-        groups = [(rollouts(b, mode, hi_k, "answer_depth"), rollouts(b, mode, lo_k, "answer_depth")) for b in suites[s]]
-        rise[s] = replicates(groups, np.subtract, paired=False)
-    diff = rise["global"][1] - rise["local"][1]
+                                    for s in suites), rule=GAIN_RULE + " at every k", holds=all(needs))]
+    text, holds = rise_verdict(answer_rise(suites, levels[0], levels[-1]))
     out.append(dict(claim="Graded task (hidden k): the answer's exit depth rises with k, more under global than local "
                           "enforcement",
-                    numbers=f"ETE-Ragged τ 0.5, answer depth at k={hi_k} minus k={lo_k}: global "
-                            f"{ci(*rise['global'])}, local {ci(*rise['local'])}; global minus local "
-                            f"{ci(rise['global'][0] - rise['local'][0], diff)} (per k: the tables below)",
-                    holds=sign_of(rise["global"][1]) > 0 and sign_of(diff) > 0))
+                    numbers=f"ETE-Ragged τ 0.5, answer depth at k={levels[-1]} minus k={levels[0]}: {text} (per k: "
+                            "the tables below)", rule=RISE_RULE, holds=holds))
     return out
 
 

@@ -40,15 +40,22 @@ def hand_made():
             fake_run("syn-global-uniform-s1", prior="uniform")]
 
 
-def fake_pointer(scope, seed, rho, accs, ragged=(0.5, 2.0), data="pointer"):
-    """A look-up-task run: accs[k-1] = accuracy at fixed@1..4 on k look-ups; span depth 1.5 + 0.25 k."""
+def fake_pointer(scope, seed, rho, accs, depth_of_k=lambda k: 2.0 + 0.5 * k, data="pointer", items=50):
+    """A look-up-task run whose builtin suite holds rollouts: accs[k-1][d-1] of the items of k
+    look-ups right at fixed@d, half of them right at ETE-Ragged's answer depth depth_of_k(k); span
+    depth 1.5 + 0.25 k."""
     prefix = claims.POINTER_TASKS[data][0]
     r = fake_run(f"{prefix}-{scope}-poisson-s{seed}", scope, seed=seed, rho=rho)   # Poisson only: no uniform claims
     r["data"] = data
     r["final"]["span_depth_by_difficulty"] = {str(k): 1.5 + 0.25 * k for k in range(1, 5)}
-    cell = lambda acc, depth: {"items": 50, "acc": acc, "answer_depth": depth}
+
+    def cell(acc, depth):
+        right, d = np.arange(items) < round(acc * items), np.full(items, depth)
+        return {"items": items, "acc": float(right.mean()), "answer_depth": float(depth),
+                "rollouts": {"correct": right.astype(int).tolist(), "answer_depth": d.tolist(),
+                             "sum_exits": (d + 20).tolist()}}
     suite = {f"fixed@{d}": {str(k): cell(accs[k - 1][d - 1], float(d)) for k in range(1, 5)} for d in range(1, 5)}
-    suite["ete_ragged@0.5"] = {str(k): cell(ragged[0], ragged[1] + 0.5 * k) for k in range(1, 5)}
+    suite["ete_ragged@0.5"] = {str(k): cell(0.5, depth_of_k(k)) for k in range(1, 5)}
     r["builtin"] = suite
     return r
 
@@ -67,19 +74,23 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     helps = [(0.3, 0.9, 1.0, 1.0), (0.3, 0.4, 0.8, 0.9), (0.3, 0.3, 0.5, 0.8), (0.3, 0.3, 0.3, 0.6)]
     flat = [(0.4, 0.4, 0.4, 0.4)] * 4
     make = functools.partial(fake_pointer, data=data)
-    results = [make("local", 1, 0.1, helps), make("local", 2, 0.2, helps),
-               make("global", 1, 0.5, helps), make("global", 2, None, helps)]
+    rising, level = (lambda k: 1.0 + 0.5 * k), (lambda k: 2.0)
+    results = [make("local", 1, 0.1, helps, level), make("local", 2, 0.2, helps, level),
+               make("global", 1, 0.5, helps, rising), make("global", 2, None, helps, rising)]
     depth, exits = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])
     task = claims.POINTER_TASKS[data][1]                          # each task's claims under its own name
     assert depth["claim"].startswith(f"{task}, Poisson: depth buys") and exits["claim"].startswith(f"{task}, Poisson")
     assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"]
-    assert "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"]
-    # Spearman undefined (None) counts as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
-    assert exits["holds"] and "global 0.250 (0.000–0.500), local 0.150 (0.100–0.200)" in exits["numbers"]
-    assert "global 1.75 / 2.00 / 2.25 / 2.50" in exits["numbers"] and "0.50 at 2.50 / 0.50 at 3.00" in exits["numbers"]
-    results[2]["builtin"]["fixed@4"]["4"]["acc"] = 0.35          # one scope where depth does not buy accuracy at k = 4
-    results[3]["builtin"]["fixed@4"]["4"]["acc"] = 0.35
-    assert not claims.pointer_claims({r["name"]: r for r in results}, [1, 2])[0]["holds"]
+    assert "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"] and "fixed@4 minus fixed@1 at k=4, both scopes: 0.30 [" \
+        in depth["numbers"]
+    # the rise: k = 4 minus k = 1 at the answer, 1.5 loops under global, none under local
+    assert exits["holds"] and "global 1.50 [1.50, 1.50], local 0.00 [0.00, 0.00]" in exits["numbers"]
+    # Spearman beside it, undefined (None) counted as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
+    assert "global 0.250 (0.000–0.500), local 0.150 (0.100–0.200)" in exits["numbers"]
+    assert "global 1.75 / 2.00 / 2.25 / 2.50" in exits["numbers"] and "0.50 at 1.50 / 0.50 at 2.00" in exits["numbers"]
+    assert exits["rule"] == claims.RISE_RULE and depth["rule"] == claims.GAIN_RULE
+    level_everywhere = [make(s, x, 0.5, helps, level) for s in ("local", "global") for x in (1, 2)]
+    assert not claims.pointer_claims({r["name"]: r for r in level_everywhere}, [1, 2])[1]["holds"]
     assert "τ sweep" not in exits["numbers"]                        # runs without it: no sweep numbers
     sweep = {0.5: 0.5, 0.2: 0.1, 0.3: None, 0.7: 0.3}
     results = [with_sweep(r, sweep) for r in results]
@@ -87,6 +98,12 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
     results = [make(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
     assert not any(c["holds"] for c in claims.pointer_claims({r["name"]: r for r in results}, [1, 2]))
+    for r in results:                       # a result from before the suites kept their rollouts: no interval
+        for cells in r["builtin"].values():
+            for cell in cells.values():
+                del cell["rollouts"]
+    assert all(c["verdict"] == "untested (no interval)" for c in claims.pointer_claims({r["name"]: r for r in results},
+                                                                                         [1, 2]))
     assert claims.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
 
 
@@ -141,13 +158,36 @@ def test_claims_are_computed_from_the_numbers():
     assert "depth-1 fraction 0.900 vs 0.400" in flat["numbers"]
     frontier = next(c for c in cl.values() if "Figure 1" in c["claim"])   # no windows: points only, no verdict
     assert frontier["holds"] is None and "synthetic: 20 point below" in frontier["numbers"]   # 5 base runs x 4 τ
-    rho = next(c for c in cl.values() if "difficulty" in c["claim"])
-    assert rho["holds"] and "global 0.325 (0.300–0.350)" in rho["numbers"] and "local 0.060" in rho["numbers"]
+    rho = next(c for c in cl.values() if "difficulty" in c["claim"])     # no windows: Spearman beside, no verdict
+    assert rho["holds"] is None and rho["verdict"] == "untested (no interval)"
+    assert "global 0.325 (0.300–0.350)" in rho["numbers"] and "local 0.060" in rho["numbers"]
     assert "global 1.50 / 2.00 / 2.50 / 3.00" in rho["numbers"]
     # and a claim that does not hold says so
     worse = hand_made()
     worse[2]["final"]["large_jump_rate"] = worse[3]["final"]["large_jump_rate"] = 0.01
     assert next(c for c in claims.claims(worse, [1, 2]) if "large jumps" in c["claim"])["holds"] is False
+
+
+def test_difficulty_on_synthetic_is_judged_on_the_windows():
+    """The depth before difficulty-4 tokens minus difficulty-1 ones, each scope over its held-out
+    windows (per window: [tokens, Σ depth] per label), and global minus local."""
+    g = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+
+    def run(scope, seed, d1, d4, n=60):
+        r = fake_run(f"syn-{scope}-poisson-s{seed}", scope, seed=seed)
+        labels = []
+        for _ in range(n):
+            count = g.integers(3, 9, 5)
+            depth = np.array([1.5, d1, 2.0, 2.0, d4]) + g.normal(0, 0.3, 5)
+            labels.append([[int(c), float(c * d)] for c, d in zip(count, depth)])
+        r["windows"] = {"labels": labels}
+        return r
+    for global_rise, holds in ((1.5, True), (0.0, False)):
+        runs = [run("local", s, 2.0, 2.0) for s in (1, 2)] + [run("global", s, 1.5, 1.5 + global_rise) for s in (1, 2)]
+        [claim] = claims.difficulty_claims({r["name"]: r for r in runs}, [1, 2])
+        assert claim["holds"] is holds and claim["rule"] == claims.RISE_RULE, claim
+        value = float(claim["numbers"].split("global ")[1].split(" ")[0])      # global's rise, the first number
+        assert abs(value - global_rise) < 0.3 and "global minus local " in claim["numbers"]
 
 
 def test_flat_beta_is_judged_on_the_windows_with_the_loop_shift_beside():
@@ -248,8 +288,15 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
     assert len(results) == 46 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    for r in results:            # labelled data: every token of a window in one label, its depths summing to the mean
+        if r["data"] != "shakespeare":
+            T = sum(n for n, _ in r["windows"]["labels"][0])
+            assert T in (32, 64) and all(sum(n for n, _ in w) == T for w in r["windows"]["labels"])   # block_size
+            assert np.allclose([sum(d for _, d in w) / T for w in r["windows"]["labels"]],
+                               r["windows"]["depth"]["0.5"], atol=1e-4)
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
+    assert "| claim | numbers | rule | holds here |" in text
     assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 46
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Graded task (hidden k): the answer's exit depth rises with k" in text and "RA minus dense: " in text
@@ -285,13 +332,13 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     stamp = os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json"))
     reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
-    del graded["windows"]                           # a result from before windows: its checkpoint gives them
+    graded_labels = graded["windows"].pop("labels")      # from before windows held labels: the checkpoint gives them
     with open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json"), "w") as f:
         json.dump(graded, f)
     os.remove(os.path.join(out, "RESULTS.md"))
     reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
     again = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
-    assert len(again["windows"]["fixed"]) == 16
+    assert len(again["windows"]["fixed"]) == 16 and again["windows"]["labels"] == graded_labels
     assert os.path.isfile(os.path.join(out, "RESULTS.md"))
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     with pytest.raises(Exception, match="--only"):
