@@ -170,8 +170,8 @@ def run_one(name, spec, c, size, runs):
     if os.path.isfile(result_path):
         with open(result_path) as f:
             result = json.load(f)
-        if not window_keys(data) <= set(result.get("windows", {})) and os.path.isfile(os.path.join(folder, "ckpt.pt")):
-            result["windows"] = window_losses(folder, data, budget["windows"])
+        if not window_keys(spec) <= set(result.get("windows", {})) and os.path.isfile(os.path.join(folder, "ckpt.pt")):
+            result["windows"] = window_losses(folder, data, budget["windows"], labels=spec["data"] == "synthetic")
             write_json(result_path, result)
         return result
     args = budget["base"] + budget["data_args"].get(spec["data"], []) + spec["args"] + [
@@ -193,7 +193,7 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
-    result["windows"] = window_losses(folder, data, budget["windows"])
+    result["windows"] = window_losses(folder, data, budget["windows"], labels=spec["data"] == "synthetic")
     if spec["data"] != "shakespeare":
         result["trace"] = exit_trace(folder, data)
     if spec["data"] in POINTER_TASKS:
@@ -215,23 +215,22 @@ def builtin_by_depth(folder, kind, max_k, per_level, U):
     return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
 
-def window_keys(data):
-    """What a result's windows hold (a result from before a key existed gets it from its checkpoint)."""
-    return {"fixed", "shift", "ragged", "depth"} | ({"labels"} if os.path.isfile(os.path.join(data, "val_labels.bin"))
-                                                   else set())
+def window_keys(spec):
+    """What a run's windows hold (a result from before a key existed gets it from its checkpoint)."""
+    return {"fixed", "shift", "ragged", "depth"} | ({"labels"} if spec["data"] == "synthetic" else set())
 
 
 @torch.no_grad()
-def window_losses(folder, data, n=160, batch=16):
+def window_losses(folder, data, n=160, batch=16, labels=False):
     """The units the claims resample (claims.py): n held-out windows of the model's context, drawn
     with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean loss
     at each fixed depth, how far each loop moves the state (relative), ETE-Ragged's mean loss and
-    mean exit depth at each τ of THRS, and on labelled data, per difficulty label 0..4 of the
-    predicted token, how many tokens carry it and their exit depths summed (τ 0.5)."""
+    mean exit depth at each τ of THRS, and with labels (the synthetic data's per-token difficulty),
+    per label 0..4 of the predicted token, how many tokens carry it and their exit depths summed
+    (τ 0.5). The look-up tasks' difficulty is read on their builtin items instead."""
     model, _ = load_checkpoint(folder)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
-    label_file = os.path.join(data, "val_labels.bin")
-    labels = np.fromfile(label_file, dtype=np.uint8).astype(np.int64) if os.path.isfile(label_file) else None
+    labels = np.fromfile(os.path.join(data, "val_labels.bin"), dtype=np.uint8).astype(np.int64) if labels else None
     T = model.config.block_size
     starts = np.random.default_rng(0).integers(0, len(val) - T - 1, n)
     out = {"fixed": [], "shift": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
