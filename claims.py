@@ -269,15 +269,22 @@ def difficulty_claims(R, seeds):
                          f"{num(rho['global'])}, local {num(rho['local'])}; mean depth at difficulty 1/2/3/4: "
                          f"global {by('global')}, local {by('local')}", rule=RISE_RULE)
     labelled = lambda r, k: tuple(np.asarray(r["windows"]["labels"], dtype=float)[:, k].T)   # (tokens, Σ depth)
-    if not all("labels" in r.get("windows", {}) and labelled(r, 1)[0].sum() and labelled(r, 4)[0].sum()
-               for rs in runs.values() for r in rs):
+    units = {s: [r for r in rs if "labels" in r.get("windows", {}) and labelled(r, 1)[0].sum()
+                 and labelled(r, 4)[0].sum()] for s, rs in runs.items()}
+    if not all(units.values()):
         return [dict(claim, holds=None, verdict="untested (no interval)")]
     with np.errstate(invalid="ignore", divide="ignore"):     # a replicate may draw no token of a label: nan
         rise = {s: replicates([labelled(r, 4) + labelled(r, 1) for r in rs], lambda n4, d4, n1, d1: d4 / n4 - d1 / n1)
-                for s, rs in runs.items()}
+                for s, rs in units.items()}
     text, holds = rise_verdict(rise)
     return [dict(claim, numbers=f"ETE-Ragged τ 0.5, mean depth before a token of difficulty 4 minus 1 (seeds and "
-                                f"held-out windows resampled): {text}; " + claim["numbers"], holds=holds)]
+                                f"held-out windows resampled; {with_units(units, runs)}): {text}; " + claim["numbers"],
+                 holds=holds)]
+
+
+def with_units(units, runs):
+    """How many seeds per scope have the units an interval resamples, of how many there are."""
+    return ", ".join(f"{s} {len(units[s])} of {len(runs[s])} seed(s)" for s in runs) + " with them"
 
 
 RISE_RULE = "holds when global's rise and global minus local both have 95% intervals above 0"
@@ -319,8 +326,8 @@ def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
         return out
     levels = sorted({k for b in suites["global"] for k in b["fixed@1"]}, key=int)
     lo, hard, U = levels[0], levels[-1], len(finals["global"][0]["val_loss_fixed"])
-    items = all(rollouts(b, mode, k, "correct") is not None for s in suites for b in suites[s]
-                for mode in ("fixed@1", f"fixed@{U}", "ete_ragged@0.5") for k in (lo, hard))
+    items = {s: [b for b in suites[s] if all(rollouts(b, mode, k, "correct") is not None for k in (lo, hard)
+                                             for mode in ("fixed@1", f"fixed@{U}", "ete_ragged@0.5"))] for s in suites}
     acc = lambda s, mode, k: np.mean([b[mode][k]["acc"] for b in suites[s]])
     table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}" for d in range(1, U + 1))
                                 for k in levels)
@@ -344,14 +351,15 @@ def pointer_prior_claims(R, seeds, prior, prefix="ptr", task="Pointer task"):
                 rule=RISE_RULE)
     sweep = sweep_numbers(finals, suites, hard)
     rise["numbers"] += "; " + sweep if sweep else ""
-    if not items:       # a result from before the builtin suites kept their rollouts: point values only
+    if not all(items.values()):   # results from before the builtin suites kept their rollouts: point values only
         return [dict(c, holds=None, verdict="untested (no interval)") for c in (need, rise)]
     groups = [(rollouts(b, f"fixed@{U}", hard, "correct"), rollouts(b, "fixed@1", hard, "correct"))
-              for s in suites for b in suites[s]]
+              for s in items for b in items[s]]
     value, reps = replicates(groups, np.subtract)
-    need["numbers"] += f"; fixed@{U} minus fixed@1 at k={hard}, both scopes: {ci(value, reps)}"
-    text, holds = rise_verdict(answer_rise(suites, lo, hard))
-    rise["numbers"] = f"answer depth at k={hard} minus k={lo}: {text}; " + rise["numbers"]
+    seen = f"builtin items resampled; {with_units(items, suites)}"
+    need["numbers"] += f"; fixed@{U} minus fixed@1 at k={hard}, both scopes ({seen}): {ci(value, reps)}"
+    text, holds = rise_verdict(answer_rise(items, lo, hard))
+    rise["numbers"] = f"answer depth at k={hard} minus k={lo} ({seen}): {text}; " + rise["numbers"]
     return [dict(need, holds=sign_of(reps) > 0 and value >= 0.1), dict(rise, holds=holds)]
 
 

@@ -81,8 +81,8 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     task = claims.POINTER_TASKS[data][1]                          # each task's claims under its own name
     assert depth["claim"].startswith(f"{task}, Poisson: depth buys") and exits["claim"].startswith(f"{task}, Poisson")
     assert depth["holds"] and "global k=1 0.30 / 0.90 / 1.00 / 1.00" in depth["numbers"]
-    assert "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"] and "fixed@4 minus fixed@1 at k=4, both scopes: 0.30 [" \
-        in depth["numbers"]
+    assert "k=4 0.30 / 0.30 / 0.30 / 0.60" in depth["numbers"] and "fixed@4 minus fixed@1 at k=4, both scopes (" \
+        in depth["numbers"] and "2 of 2 seed(s) with them): 0.30 [" in depth["numbers"]
     # the rise: k = 4 minus k = 1 at the answer, 1.5 loops under global, none under local
     assert exits["holds"] and "global 1.50 [1.50, 1.50], local 0.00 [0.00, 0.00]" in exits["numbers"]
     # Spearman beside it, undefined (None) counted as 0: global 0.25 (0–0.5) against local 0.15 (0.1–0.2)
@@ -98,12 +98,14 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
     results = [make(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
     assert not any(c["holds"] for c in claims.pointer_claims({r["name"]: r for r in results}, [1, 2]))
-    for r in results:                       # a result from before the suites kept their rollouts: no interval
+    for i, r in enumerate(results):         # results from before the suites kept their rollouts
         for cells in r["builtin"].values():
             for cell in cells.values():
                 del cell["rollouts"]
-    assert all(c["verdict"] == "untested (no interval)" for c in claims.pointer_claims({r["name"]: r for r in results},
-                                                                                         [1, 2]))
+        verdicts = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])
+        if i == 0:                          # one local seed without: the interval rests on the other
+            assert "local 1 of 2 seed(s), global 2 of 2 seed(s) with them" in verdicts[1]["numbers"]
+    assert all(c["verdict"] == "untested (no interval)" for c in verdicts)        # a scope without: no interval
     assert claims.pointer_claims({}, [1, 2]) == []              # no pointer runs: no pointer claims
 
 
@@ -186,7 +188,7 @@ def test_difficulty_on_synthetic_is_judged_on_the_windows():
         runs = [run("local", s, 2.0, 2.0) for s in (1, 2)] + [run("global", s, 1.5, 1.5 + global_rise) for s in (1, 2)]
         [claim] = claims.difficulty_claims({r["name"]: r for r in runs}, [1, 2])
         assert claim["holds"] is holds and claim["rule"] == claims.RISE_RULE, claim
-        value = float(claim["numbers"].split("global ")[1].split(" ")[0])      # global's rise, the first number
+        value = float(claim["numbers"].split("with them): global ")[1].split(" ")[0])       # global's rise
         assert abs(value - global_rise) < 0.3 and "global minus local " in claim["numbers"]
 
 
