@@ -171,7 +171,7 @@ def run_one(name, spec, c, size, runs):
         with open(result_path) as f:
             result = json.load(f)
         if not window_keys(spec) <= set(result.get("windows", {})) and os.path.isfile(os.path.join(folder, "ckpt.pt")):
-            result["windows"] = window_losses(folder, data, budget["windows"], labels=spec["data"] == "synthetic")
+            result["windows"] = window_losses(folder, data, budget["windows"], labels="labels" in window_keys(spec))
             write_json(result_path, result)
         return result
     args = budget["base"] + budget["data_args"].get(spec["data"], []) + spec["args"] + [
@@ -193,7 +193,7 @@ def run_one(name, spec, c, size, runs):
     result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
-    result["windows"] = window_losses(folder, data, budget["windows"], labels=spec["data"] == "synthetic")
+    result["windows"] = window_losses(folder, data, budget["windows"], labels="labels" in window_keys(spec))
     if spec["data"] != "shakespeare":
         result["trace"] = exit_trace(folder, data)
     if spec["data"] in POINTER_TASKS:

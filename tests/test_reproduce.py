@@ -97,7 +97,9 @@ def test_pointer_claims_are_computed_from_the_numbers(data):
     numbers = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])[1]["numbers"]
     assert "global τ 0.2: ρ 0.100, k=4 0.50 at 4.80, τ 0.3: ρ 0.000, k=4 0.50 at 5.20, τ 0.5: ρ 0.500" in numbers
     results = [make(s, x, 0.1, flat) for s in ("local", "global") for x in (1, 2)]
-    assert not any(c["holds"] for c in claims.pointer_claims({r["name"]: r for r in results}, [1, 2]))
+    need, rise = claims.pointer_claims({r["name"]: r for r in results}, [1, 2])
+    assert need["holds"] is False        # depth buys nothing: the rise is not tested, whatever the exits do
+    assert rise["holds"] is None and rise["verdict"] == "untested (its precondition fails)"
     for i, r in enumerate(results):         # results from before the suites kept their rollouts
         for cells in r["builtin"].values():
             for cell in cells.values():
@@ -234,7 +236,7 @@ def test_verdicts_with_windows_follow_their_intervals():
 
 def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
     """A graded-task run whose builtin suite holds rollouts: answer depth depth_of_k(k) (rounded at
-    random), right with probability acc_of_k(mode, k); fixed@d right on k look-ups when d >= k."""
+    random), right with probability acc_of_k(mode, k); fixed@d always right on k look-ups when d >= k."""
     r = fake_run(f"grd-{scope}-poisson-s{seed}", scope, seed=seed)
     r["data"] = "graded"
     suite = {}
@@ -243,7 +245,7 @@ def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
         for k in range(1, 5):
             d = (np.full(items, int(mode[6:])) if mode.startswith("fixed") else
                  np.clip(np.round(depth_of_k(k) + g.normal(0, 0.4, items)), 1, 4)).astype(int)
-            p = (0.95 if d[0] >= k else 0.1) if mode.startswith("fixed") else acc_of_k(k)
+            p = (1.0 if d[0] >= k else 0.1) if mode.startswith("fixed") else acc_of_k(k)   # needed depth: exactly k
             right = g.random(items) < p
             suite[mode][str(k)] = {"items": items, "acc": float(right.mean()), "answer_depth": float(d.mean()),
                                    "rollouts": {"correct": right.astype(int).tolist(), "answer_depth": d.tolist(),
