@@ -3,7 +3,7 @@ Reproduce the paper's findings at CPU scale: one grid of training runs, then RES
 tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim (claims.py).
 
     python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
-    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~15 min per run (hops ~30)
+    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~22 min a run (hops ~45)
     python reproduce.py --full --only=grd-global-poisson-s1337    # one run (and its parents), then the report
     python reproduce.py --full --report                           # RESULTS.md from the finished runs, no training
 
