@@ -35,7 +35,10 @@ Resumable: a run whose result.json exists is skipped, one with a checkpoint resu
 import contextlib
 import json
 import os
+import platform
+import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -186,11 +189,14 @@ def run_one(name, spec, c, size, runs):
     elif spec.get("parent"):
         args += [f"--branch_from={os.path.join(c['out'], spec['parent'])}"]
     print(f"== {name}: python train.py {' '.join(args)}", file=sys.stderr)
+    started = time.time()
     train.main(args)
+    wall = time.time() - started
     with open(os.path.join(folder, "log.jsonl")) as f:
         log = [json.loads(line) for line in f]
     evals = [r for r in log if "val_loss_fixed" in r]
-    result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, final=evals[-1],
+    result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, provenance=provenance(wall),
+                  final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
     result["windows"] = window_losses(folder, data, budget["windows"], labels="labels" in window_keys(spec))
@@ -201,6 +207,21 @@ def run_one(name, spec, c, size, runs):
                                              len(evals[-1]["val_loss_fixed"]))
     write_json(result_path, result)
     return result
+
+
+def provenance(train_seconds):
+    """How a run was made, so that a rerun that differs can be traced: the code's commit (and whether
+    the tree had changes), torch's version, its threads, the CPU, and the training's wall time."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
+    cpu = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"commit": git("rev-parse", "HEAD") or "unknown",
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
+            "train_seconds": round(train_seconds, 1)}
 
 
 def builtin_by_depth(folder, kind, max_k, per_level, U):
