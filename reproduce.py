@@ -189,29 +189,36 @@ def run_one(name, spec, c, size, runs):
     elif spec.get("parent"):
         args += [f"--branch_from={os.path.join(c['out'], spec['parent'])}"]
     print(f"== {name}: python train.py {' '.join(args)}", file=sys.stderr)
-    started = time.time()
+    made, started = provenance(), time.time()
     train.main(args)
-    wall = time.time() - started
+    made["train_seconds"] = round(time.time() - started, 1)
     with open(os.path.join(folder, "log.jsonl")) as f:
         log = [json.loads(line) for line in f]
     evals = [r for r in log if "val_loss_fixed" in r]
-    result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, provenance=provenance(wall),
-                  final=evals[-1],
+    result = dict({k: v for k, v in spec.items() if k != "args"}, name=name, provenance=made, final=evals[-1],
                   curve=[{k: r[k] for k in ("iter", "tokens", "val_loss_fixed", "val_loss_ragged", "avg_exit_depth",
                                             "large_jump_rate", "exit_fractions")} for r in evals])
     result["windows"] = window_losses(folder, data, budget["windows"], labels="labels" in window_keys(spec))
     if spec["data"] != "shakespeare":
         result["trace"] = exit_trace(folder, data)
+    earlier = os.path.join(folder, "result.earlier.json")      # a rerun: the result it replaces, moved here
+    if os.path.isfile(earlier):
+        with open(earlier) as f:
+            before = json.load(f)
+        result["earlier"] = before.get("earlier", []) + [{k: before[k] for k in ("final", "provenance") if k in before}]
     if spec["data"] in POINTER_TASKS:
         result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"],
                                              len(evals[-1]["val_loss_fixed"]))
     write_json(result_path, result)
+    if os.path.isfile(earlier):
+        os.remove(earlier)
     return result
 
 
-def provenance(train_seconds):
+def provenance():
     """How a run was made, so that a rerun that differs can be traced: the code's commit (and whether
-    the tree had changes), torch's version, its threads, the CPU, and the training's wall time."""
+    the tree had changes) when it started, torch's version, its threads, the CPU (and, once it has
+    trained, the training's wall time)."""
     here = os.path.dirname(os.path.abspath(__file__))
     git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
     cpu = platform.processor() or platform.machine()
@@ -220,8 +227,7 @@ def provenance(train_seconds):
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {"commit": git("rev-parse", "HEAD") or "unknown",
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu,
-            "train_seconds": round(train_seconds, 1)}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
 
 
 def builtin_by_depth(folder, kind, max_k, per_level, U):
