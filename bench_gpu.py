@@ -1,39 +1,52 @@
 """
 The engine on a GPU at Ouro-1.4B's shape: graphed (slot_engine.py) and eager (serve_depthbatch.py),
-against the Ouro way graphed and eager, and against the weight-read ceiling.
+against the Ouro way graphed and eager, and against the weight-read ceiling; and what the graphed pass
+costs, counted on any device.
 
     python bench.py --what=gpu --device=cuda --out=results/bench/engine-ouro1.4b-h200.json   # one H200: ~5 min
     python bench.py --what=gpu --gpu_shape=tiny                                             # the same code on a CPU
 
 The model: a random model of Ouro-1.4B's exact shape (24 layers of 2048, 16 heads, FFN 5632,
 vocabulary 49,152, U = 4, bf16), its exit gate's bias set so that Eq. 4 at τ 0.5 puts the prompt
-tokens' mean exit depth at 2.6 (decode Ē is measured and printed). The workload: a fixed batch of B
-requests, 32-token prompts, 32 new tokens, greedy; tok/s over the whole run, prompt included.
-Configurations: the Ouro way (ouro_way: every token all U loops on dense lanes, one head call
-per step) eager and graphed (StaticLanes: one graph for the prompt, one for a decode step: U passes
-and the head); the engine's fixed@U, Dense-Ragged and ETE-Ragged, eager (Engine) and graphed
-(SlotEngine: compiled phases, a graph per bucket). The ceiling: decode reading the weights at
-4.3 TB/s, context and compute ignored: fixed@U (and the Ouro way) B / (U·t_W + t_h) tok/s, a ragged
-mode B / (Ē·(t_W + t_h)) (its head runs on every pass), t_W and t_h the time to read the block's
-and the LM head's weights. Before timing: the graphed slot engine against the same passes without
-graphs (the same kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed@U
-(greedy tokens; they compute alike but not bit for bit).
+tokens' mean exit depth at 2.6 (decode Ē is measured and printed).
+
+Counted first, on any device (counts): the GEMMs and launches of a layer, of a pass and of
+finish_rows, read from Inductor's own scheduling of the compiled pass on its Triton backend (what
+CUDA runs; stopped before code generation, so a CPU counts it too); the host-to-device copies and
+syncs of a steady decode step (HostTraffic); the passes launched against the passes with rows.
+
+Two workloads, greedy: a fixed batch of B requests (32-token prompts, 32 new tokens; it ends with its
+slowest request, so at batch 8 and 32 one request that runs deep sets the pass count), and a queue of
+4B requests of random lengths through B slots (what a server sees). Configurations: the Ouro way
+(ouro_way: every token all U loops on dense lanes, one head call per step) eager and graphed
+(StaticLanes: the step compiled whole, one graph for the prompt, one for a decode step: U passes and
+the head), fixed batch only; the engine's fixed@U, Dense-Ragged and ETE-Ragged, eager (Engine) and
+graphed (SlotEngine: the pass compiled whole, every bucket captured when it starts). The ceiling:
+decode reading the weights at 4.3 TB/s, context and compute ignored: fixed@U (and the Ouro way)
+B / (U·t_W + t_h) tok/s, a ragged mode B / (Ē·(t_W + t_h)) (its head runs on every pass), t_W and t_h
+the time to read the block's and the LM head's weights; a run's efficiency is the time those weight
+reads take, (passes·t_W + head calls·t_h) / wall, so that engine overhead shows apart from the
+workload. Before timing: the graphed slot engine against the same passes without graphs (the same
+kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed@U (greedy tokens;
+they compute alike but not bit for bit).
 """
 import json
 import math
 import os
+import random
 import sys
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
-from model import GPTConfig, LoopedLM, attention, forward_lanes, threshold_exit
-from ragged import DenseLanes, StaticLanes
+from model import GPTConfig, LoopedLM, forward_lanes, threshold_exit
+from ragged import DenseLanes, PagePool, StaticLanes
 from request import Request, sample_token
 from serve_depthbatch import Engine, weight_bytes
 from slot_engine import SlotEngine
-from slot_pass import Graphs
-from slot_pass import PLAIN, compiled_phases
+from slot_pass import Graphs, Slots, allow_recompiles, finish_rows, run_pass
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
     "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048, ffn_hidden=5632),
@@ -43,14 +56,17 @@ BANDWIDTH = 4.3e12          # bytes/s: an H200's HBM3e, as the ceiling arithmeti
 PAPER_H100_EAGER = {        # the paper's Table of matched eager H100 runs, tok/s: (fixed@4, ragged at τ 0.3)
     1: (25.0, 41.1), 4: (100.5, 135.3), 8: (205.5, 241.2), 32: (807.9, 773.2)}
 N_PROMPT, N_NEW, THR, TARGET_DEPTH = 32, 32, 0.5, 2.6
+QUEUE_PER_SLOT = 4          # the queue: this many requests per slot, prompts of 8..N_PROMPT, 8..N_NEW new tokens
 
 
-def ouro_shape_model(shape, device, seed, prompts):
-    """A random model of the shape, built on the device in bf16 on CUDA (fp32 on a CPU), normalized
-    between loops as Ouro's models are; the gate's bias shifted so that the prompts' mean exit depth
-    at τ 0.5 is TARGET_DEPTH (bisection on the shift: the gate logits move with it, nothing reruns)."""
+def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
+    """A random model of the shape (n_layer: another depth of block), built on the device in bf16 on
+    CUDA (fp32 on a CPU), normalized between loops as Ouro's models are; the gate's bias shifted so
+    that the prompts' mean exit depth at τ 0.5 is TARGET_DEPTH (bisection on the shift: the gate
+    logits move with it, nothing reruns)."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(**SHAPES[shape], block_size=N_PROMPT + N_NEW + 8, n_loops=4, loop_norm=True, branch_norm_init=1.0)
+    cfg = GPTConfig(**dict(SHAPES[shape], **({"n_layer": n_layer} if n_layer else {})),
+                    block_size=N_PROMPT + N_NEW + 8, n_loops=4, loop_norm=True, branch_norm_init=1.0)
     with torch.device(device):
         model = LoopedLM(cfg).eval()
     if torch.device(device).type == "cuda":
@@ -89,40 +105,45 @@ def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
     return torch.stack(out, 1).tolist()
 
 
-def lanes_step(model, lanes, ids, phases, exit_heads):
+def lanes_loop(model, lanes, h, cos, sin):
+    """One loop of the Ouro way: the block over the lanes of depth lanes.depth, then the exit heads."""
+    return model.exit_heads(model.block(h, cos, sin, lanes))
+
+
+def lanes_step(model, lanes, ids, loop=lanes_loop):
     """One step of the Ouro way on static lanes: the chunk `ids` [B, T] through all U loops, each
-    layer's halves (compiled or not) around attention over its lane, then the greedy token of the
-    last position. The same maths as model.generate's lanes (test_bench.py checks the tokens)."""
+    layer's attention over its lane, then the greedy token of the last position. The same maths as
+    model.generate's lanes (test_bench.py checks the tokens); `loop` compiled when graphed."""
     h = model.embed_tokens(ids)
     cos, sin = model.rope(lanes.pos + torch.arange(ids.shape[1], device=ids.device), h.dtype)
     for d in range(model.config.n_loops):
         lanes.begin(d)
-        for i, layer in enumerate(model.layers):
-            q, k, v = phases.before(layer, h, cos, sin)
-            h = phases.after(layer, h, attention(q, *lanes.layer_kv(i, k, v)))
-        hn, _, h = exit_heads(model, h)
+        hn, _, h = loop(model, lanes, h, cos, sin)
     lanes.pos += ids.shape[1]
     return model.lm_head(hn[:, -1]).argmax(-1)
 
 
 class OuroWay:
     """The Ouro way at fixed shapes: a graph for the prompt step and one for a decode step (U passes,
-    the head and the argmax, gpt-fast's decode_one_token with the loops unrolled)."""
+    the head and the argmax, gpt-fast's decode_one_token with the loops unrolled), each loop compiled
+    whole (one graph for all U: they differ only in their lanes) with the projections stacked as the
+    slot engine's (four GEMMs a layer)."""
 
-    def __init__(self, model, batch, graphs, phases):
+    def __init__(self, model, batch, graphs):
         dev = model.lm_head.weight.device
-        self.model, self.phases = model, phases
-        self.exit_heads = torch.compile(LoopedLM.exit_heads) if phases is not PLAIN else LoopedLM.exit_heads
+        self.model = model.fuse_projections()
+        if graphs:
+            allow_recompiles()                      # a graph for each depth's lanes and chunk length
+        self.loop = torch.compile(lanes_loop, dynamic=False) if graphs else lanes_loop
         self.lanes = StaticLanes(model, model.config.n_loops, N_PROMPT + N_NEW, batch)
         self.prompt = torch.zeros(batch, N_PROMPT, dtype=torch.long, device=dev)
         self.cur = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.out = torch.zeros(batch, N_NEW, dtype=torch.long, device=dev)
         self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        state = [self.lanes.k, self.lanes.v, self.lanes.pos, self.cur, self.out, self.t]
-        self.graphs = Graphs(lambda: state) if graphs else None
+        self.graphs = Graphs(lambda: self.lanes.buffers() + [self.cur, self.out, self.t]) if graphs else None
 
     def _step(self, ids):
-        tok = lanes_step(self.model, self.lanes, ids, self.phases, self.exit_heads)
+        tok = lanes_step(self.model, self.lanes, ids, self.loop)
         self.out.index_copy_(1, self.t, tok[:, None])
         self.cur.copy_(tok[:, None])
         self.t += 1
@@ -143,8 +164,174 @@ class OuroWay:
         return self.out.tolist()
 
 
-def run_config(model, prompts, config, runner):
-    """One timed run of a configuration; returns (seconds, tokens, what it ran)."""
+# ----------------------------------------------------------------------------- counted on any device
+
+def inductor_launches(fn, *args):
+    """What Inductor launches for fn(*args) on a GPU, read from its own scheduling: fn compiled whole
+    (rows dynamic, as compiled_pass) with its Triton backend, the one CUDA uses, and stopped once the
+    scheduler has fused the graph, before any code is generated, so that a CPU counts it too. Returns
+    one kind per launch: "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another
+    operator: the paged attention)."""
+    import torch._inductor.config as inductor_config
+    import torch._inductor.scheduler as scheduler
+
+    class Fused(Exception):
+        pass
+    seen = []
+
+    def stop(self):
+        seen.append(list(self.nodes))
+        raise Fused
+    torch._dynamo.reset()
+    codegen, scheduler.Scheduler.codegen = scheduler.Scheduler.codegen, stop
+    try:
+        with inductor_config.patch(cpu_backend="triton", force_pointwise_cat=True), torch.inference_mode():
+            torch.compile(fn, dynamic=True, fullgraph=True)(*args)
+    except Exception as e:                      # Inductor wraps the exception that stops it
+        if "Fused" not in repr(e):
+            raise
+    finally:
+        scheduler.Scheduler.codegen = codegen
+        torch._dynamo.reset()
+    kinds = []
+    for node in seen[0]:
+        kind = type(node).__name__
+        if kind in ("SchedulerNode", "FusedSchedulerNode"):
+            kinds.append("kernel")
+        elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":   # a tuple's item
+            name = str(getattr(node.node, "python_kernel_name", "") or "")
+            kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm") else "op")
+    return kinds
+
+
+def kernel_counts(shape, R=2):
+    """Launches of the compiled pass at the shape (attention: the Triton kernel, as on CUDA), rows R:
+    a layer's GEMMs and launches (a pass of two layers less a pass of one: the layer in the middle of
+    the block, its last norm fused with the next layer's first), a pass's (of n_layer layers), and
+    finish_rows's alone (the exits, the head, the aliases, the rows' next state)."""
+    passes = {}
+    for L in (1, 2):
+        model = ouro_shape_model(shape, "cpu", 0, [[0]], n_layer=L).fuse_projections()
+        n_keys = model.config.block_size
+        st = Slots(model, PagePool.for_model(model, 64, scratch=True), 2 * R, 2, n_keys, 8)
+        passes[L] = inductor_launches(run_pass, model, st, R, "triton", n_keys, 1, True, "greedy")
+    finish = inductor_launches(lambda model, st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"),
+                               model, st, R)
+    layer = {k: passes[2].count(k) - passes[1].count(k) for k in ("kernel", "gemm", "op")}
+    per_layer, n_layer = sum(layer.values()), SHAPES[shape]["n_layer"]
+    return dict(rows=R, gemms_per_layer=layer["gemm"], launches_per_layer=per_layer, layer=layer,
+                launches_per_pass=len(passes[1]) + (n_layer - 1) * per_layer, finish_rows_launches=len(finish))
+
+
+class HostTraffic(TorchFunctionMode):
+    """Counts what the host does to the device while it is active, on any device: the device is the
+    tensors it is given (an engine's buffers and weights) and every tensor computed from them or made
+    with device=`device`. A host-to-device copy: a tensor of host data (more than a number) meeting a
+    device tensor in one call (a write's value or index, copy_, an index), or sent by .to(device),
+    torch.tensor(..., device=device); device-to-host copies into host tensors are counted apart. A
+    sync: a device value read on the host (.item(), .tolist(), bool(), .cpu(), nonzero, ...)."""
+    SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "equal",
+             "allclose"}
+    MADE = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like", "full_like",
+            "empty_like", "rand", "randn", "randint"}
+
+    def __init__(self, tensors, device):
+        super().__init__()
+        self.device, self.keep = torch.device(device), list(tensors)
+        self.ids = {id(t) for t in self.keep}
+        self.h2d = self.d2h = self.syncs = 0
+
+    def on_device(self, t):
+        return id(t) in self.ids
+
+    def mark(self, out):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and id(t) not in self.ids:
+                self.ids.add(id(t))
+                self.keep.append(t)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        dev = [t for t in tensors if self.on_device(t)]
+        host = [t for t in tensors if not self.on_device(t) and t.dim() > 0]
+        target = kwargs.get("device", args[1] if name == "to" and len(args) > 1 else None)
+        sent = target is not None and not isinstance(target, torch.dtype) and torch.device(target) == self.device
+        if name in self.SYNCS and dev:
+            self.syncs += 1
+        into = args[0] if args and isinstance(args[0], torch.Tensor) and (name.endswith("_") or name == "__setitem__") \
+            else None
+        if dev and host:
+            if into is not None and not self.on_device(into):
+                self.d2h += 1
+            else:
+                self.h2d += 1
+        elif sent and (name in ("tensor", "as_tensor") or (name == "to" and host)):
+            self.h2d += 1
+        out = func(*args, **kwargs)
+        if (dev and name not in self.SYNCS and not (into is not None and not self.on_device(into))) or \
+                (sent and (name in self.MADE or name == "to")):
+            self.mark(out)
+        return out
+
+
+def host_counts(model, B, mode="ete_ragged", graphs=False):
+    """The slot engine on a fixed batch of B requests (N_PROMPT-token prompts, N_NEW new tokens,
+    greedy): per steady decode step (every request admitted and past its prompt, none leaving) the most
+    host-to-device copies and syncs (HostTraffic, and the log reads that wait for the device); passes
+    launched against passes in which a row ran."""
+    U = model.config.n_loops
+    g = torch.Generator().manual_seed(B)
+    prompts = torch.randint(0, model.config.vocab_size, (B, N_PROMPT), generator=g).tolist()
+    engine = SlotEngine(model, B * (N_PROMPT + N_NEW) * U, max_batch=B, max_rows=B * N_PROMPT,
+                        scheduler="fixed" if mode == "fixed" else "continuous", graphs=graphs, fuse=graphs,
+                        sampling=("greedy",))
+    for p in prompts:
+        engine.add(Request(p, N_NEW, mode, THR))
+    st = engine.slots
+    device_tensors = ([t for t in vars(st).values() if isinstance(t, torch.Tensor)] + st.k + st.v + st.log +
+                      list(model.parameters()) + list(model.buffers()) + [engine.upload.dev])
+    steady = []
+    while engine.busy():
+        sched = engine.scheduler
+        before = list(sched.running)
+        calm = not sched.waiting and before and all(s.done >= s.host_end for s in before)
+        waits = engine.stats["waits"]
+        with HostTraffic(device_tensors + [engine.upload.dev], engine.device) as traffic:
+            engine.step()
+        if calm and list(sched.running) == before:
+            steady.append((traffic.h2d, traffic.syncs + engine.stats["waits"] - waits))
+    return dict(steady_steps=len(steady), h2d_per_steady_step=max(c for c, _ in steady),
+                syncs_per_steady_step=max(s for _, s in steady), passes_launched=engine.stats["launched"],
+                passes_with_rows=engine.stats["passes"])
+
+
+def counts(shape, device, batches):
+    """Everything counted: kernel_counts at the smallest bucket (batch 1's), host_counts at each batch
+    (ETE-Ragged)."""
+    out = {"kernels": kernel_counts(shape)}
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, SHAPES[shape]["vocab_size"], (max(batches), N_PROMPT), generator=g).tolist()
+    model = ouro_shape_model(shape, device, 0, prompts)
+    cuda = torch.device(device).type == "cuda"
+    out["host"] = {B: host_counts(model, B, graphs=cuda) for B in batches}
+    return out
+
+
+# ----------------------------------------------------------------------------- timed runs
+
+def queue_requests(B, vocab, seed, mode):
+    """The queue: QUEUE_PER_SLOT * B requests of random lengths (prompts of 8..N_PROMPT tokens, 8..N_NEW
+    new tokens), the same for every configuration of a batch size."""
+    rng = random.Random(seed * 1000 + B)
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(8, N_PROMPT))], rng.randint(8, N_NEW), mode,
+                    THR) for _ in range(QUEUE_PER_SLOT * B)]
+
+
+def run_config(model, prompts, config, runner, queue=None):
+    """One timed run of a configuration, on the fixed batch (prompts) or the queue (a list of
+    requests to copy); returns (seconds, tokens, what it ran)."""
     kind, mode, graphs = config
     U = model.config.n_loops
     sync = torch.cuda.synchronize if model.lm_head.weight.is_cuda else (lambda: None)
@@ -153,105 +340,53 @@ def run_config(model, prompts, config, runner):
     if kind == "ouro_way":
         tokens = runner.generate(prompts) if graphs else ouro_way(model, prompts, N_NEW)
         sync()
-        return time.perf_counter() - t0, tokens, dict(passes=U * N_NEW, head_calls=N_NEW, depth=float(U))
+        return time.perf_counter() - t0, tokens, dict(passes=U * N_NEW, head_calls=N_NEW, depth=float(U),
+                                                      sum_exits=U * len(prompts) * (N_PROMPT + N_NEW - 1))
     before = dict(runner.stats)
-    reqs = runner.run([Request(p, N_NEW, mode, THR) for p in prompts])
+    work = ([Request(r.prompt, r.max_tokens, mode, THR) for r in queue] if queue is not None else
+            [Request(p, N_NEW, mode, THR) for p in prompts])
+    reqs = runner.run(work)
     sync()
     seconds = time.perf_counter() - t0
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
     dec = [x for r in reqs for x in r.decode_exits]
-    return seconds, [r.tokens for r in reqs], dict(passes=runner.stats["passes"] - before["passes"],
-                                                   head_calls=runner.stats["head_calls"] - before["head_calls"],
-                                                   depth=sum(dec) / len(dec), exits=[r.exits for r in reqs])
+    return seconds, [r.tokens for r in reqs], dict(
+        passes=runner.stats["passes"] - before["passes"], head_calls=runner.stats["head_calls"] - before["head_calls"],
+        depth=sum(dec) / len(dec), exits=[r.exits for r in reqs], sum_exits=sum(sum(r.exits) for r in reqs))
 
 
-def build(model, B, config, fused):
+def build(model, B, config, workload):
     """What runs a configuration, kept for all its runs (so that graphs are captured once): graphs
     True: CUDA graphs of the compiled passes; "ready": the graph-ready code without graphs (a CPU);
     False: the eager engine (serve_depthbatch.Engine) or ouro_way."""
     kind, mode, graphs = config
     scheduler = "fixed" if mode == "fixed" else "continuous"
-    pages, rows = B * (N_PROMPT + N_NEW) * model.config.n_loops, B * N_PROMPT
+    longest = N_PROMPT + N_NEW
+    pages, rows = B * longest * model.config.n_loops, B * N_PROMPT
     if kind == "ouro_way":
-        return OuroWay(model, B, graphs is True, fused if graphs is True else PLAIN) if graphs else None
+        return OuroWay(model, B, graphs is True) if graphs else None
     if not graphs:
         return Engine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler)
     return SlotEngine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler, graphs=graphs is True,
-                      fuse=graphs is True)
+                      fuse=graphs is True, sampling=("greedy",))
 
 
-def bench_gpu(c):
-    device = c["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = torch.device(device).type == "cuda"
-    batches = [int(b) for b in (c["batches"] or "1,8,32").split(",")]
-    g = torch.Generator().manual_seed(c["seed"])
-    vocab = SHAPES[c["gpu_shape"]]["vocab_size"]
-    prompts = {B: torch.randint(0, vocab, (B, N_PROMPT), generator=g).tolist() for B in batches}
-    t_start = time.perf_counter()
-    model = ouro_shape_model(c["gpu_shape"], device, c["seed"], prompts[max(batches)])
-    wb, wh = weight_bytes(model)
-    t_w, t_h = wb / BANDWIDTH, wh / BANDWIDTH
-    U = model.config.n_loops
-    print(f"model: {c['gpu_shape']} ({model.num_params() / 1e9:.3f} B parameters, {model.lm_head.weight.dtype}) on "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}; block {wb / 1e9:.3f} GB = {1e3 * t_w:.3f} ms at "
-          f"{BANDWIDTH / 1e12:.1f} TB/s, head {wh / 1e9:.3f} GB = {1e3 * t_h:.3f} ms; gate bias "
-          f"{float(model.early_exit_gate.bias):.3f}", file=sys.stderr)
-    fused = compiled_phases() if cuda else PLAIN
-    configs = [(k, m, gr) for gr in ([True, False] if cuda else [False]) for k, m in
-               [("ouro_way", "fixed"), ("engine", "fixed"), ("engine", "dense_ragged"), ("engine", "ete_ragged")]]
-    if not cuda:      # on a CPU the graphed configurations run their graph-ready code without graphs
-        configs = [(k, m, "ready") for k, m, _ in configs] + configs
-    runs, checks, rounds = [], [], max(c["rounds"], 3)
-    for B in batches:
-        best = time_configs(model, prompts[B], configs, fused, rounds)
-        graphed = True if cuda else "ready"
-        ref_fixed, ref_ouro = best["engine", "fixed", graphed], best["ouro_way", "fixed", graphed]
-        ouro_eager = best["ouro_way", "fixed", False]
-        agree = sum(a == b for x, y in zip(ref_fixed[1], ref_ouro[1]) for a, b in zip(x, y)) / (B * N_NEW)
-        checks.append(dict(batch=B, check="graphed fixed@U = graphed Ouro way, greedy tokens", agree=agree))
-        for (kind, mode, gr), (seconds, tokens, st) in best.items():
-            tok_s = B * N_NEW / seconds
-            ceiling = B / (U * t_w + t_h) if mode == "fixed" else B / (st["depth"] * (t_w + t_h))
-            runs.append(dict(batch=B, mode="ouro_way" if kind == "ouro_way" else mode, graphs=gr is True,
-                             graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5),
-                             pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"],
-                             head_calls=st["head_calls"], avg_decode_depth=round(st["depth"], 3),
-                             ceiling_tok_s=round(ceiling, 1), ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
-                             x_fixed_graphed=round(ref_fixed[0] / seconds, 4),
-                             x_ouro_way_graphed=round(ref_ouro[0] / seconds, 4),
-                             x_ouro_way_eager=round(ouro_eager[0] / seconds, 4),
-                             paper_h100_eager=PAPER_H100_EAGER.get(B, (None, None))[0 if mode == "fixed" else 1]))
-        if cuda:
-            checks += replay_checks(model, prompts[B], best)
-        print(f"  batch {B} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    print_gpu(runs, checks)
-    out = {"bench": "engine-gpu", "model": c["gpu_shape"], "device": torch.cuda.get_device_name() if cuda else "cpu",
-           "torch": torch.__version__, "prompt_len": N_PROMPT, "new_tokens": N_NEW, "thr": THR,
-           "gate_bias": float(model.early_exit_gate.bias), "bandwidth": BANDWIDTH, "block_bytes": wb, "head_bytes": wh,
-           "seconds": round(time.perf_counter() - t_start, 1), "checks": checks, "runs": runs}
-    if c["out"]:
-        os.makedirs(os.path.dirname(os.path.abspath(c["out"])), exist_ok=True)
-        with open(c["out"], "w") as f:
-            json.dump(out, f, indent=1)
-    return out
-
-
-def time_configs(model, prompts, configs, fused, rounds):
-    """Every configuration on one batch: a warm-up run (it compiles and captures), then `rounds`
-    rounds in turns (an eager run once: eager runs are slow and steady). The fastest of each."""
+def time_configs(model, prompts, configs, rounds, queue=None):
+    """Every configuration on one workload: a warm-up run (it compiles; the slot engine captured its
+    graphs when built), then `rounds` rounds in turns (an eager run once: eager runs are slow and
+    steady). The fastest of each."""
     B = len(prompts)
-    runners = {cf: build(model, B, cf, fused) for cf in configs}
+    runners = {cf: build(model, B, cf, queue) for cf in configs}
     results = {}
     for cf in configs:
         t0 = time.perf_counter()
-        results[cf] = [run_config(model, prompts, cf, runners[cf])]
-        print(f"  batch {B} {cf}: warm-up {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        results[cf] = [run_config(model, prompts, cf, runners[cf], queue)]
+        print(f"  batch {B} {'queue' if queue else 'batch'} {cf}: warm-up {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)
     for i in range(rounds):
         for cf in configs:
             if cf[2] is not False or i == 0:
-                results[cf].append(run_config(model, prompts, cf, runners[cf]))
+                results[cf].append(run_config(model, prompts, cf, runners[cf], queue))
     return {cf: min(rs, key=lambda r: r[0]) for cf, rs in results.items()}
 
 
@@ -269,19 +404,109 @@ def replay_checks(model, prompts, best):
     return checks
 
 
-def print_gpu(runs, checks):
+def rows_of(best, B, workload, t_w, t_h, U):
+    """The JSON rows of one workload's runs: speed, passes, Σ e, time a pass, efficiency, the ceiling and
+    the ratios against graphed fixed@U and the Ouro way."""
+    graphed = next(g for (_, _, g) in best if g is not False)
+    ref_fixed = best["engine", "fixed", graphed]
+    ref_ouro, ouro_eager = best.get(("ouro_way", "fixed", graphed)), best.get(("ouro_way", "fixed", False))
+    rows = []
+    for (kind, mode, gr), (seconds, tokens, st) in best.items():
+        n_tok = sum(len(t) for t in tokens)
+        tok_s = n_tok / seconds
+        ceiling = B / (U * t_w + t_h) if mode == "fixed" else B / (st["depth"] * (t_w + t_h))
+        row = dict(workload=workload, batch=B, mode="ouro_way" if kind == "ouro_way" else mode, graphs=gr is True,
+                   graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5), tokens=n_tok,
+                   pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"], head_calls=st["head_calls"],
+                   sum_exits=st["sum_exits"], avg_decode_depth=round(st["depth"], 3),
+                   efficiency=float(f"{(st['passes'] * t_w + st['head_calls'] * t_h) / seconds:.4g}"),
+                   ceiling_tok_s=round(ceiling, 1), ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
+                   x_fixed_graphed=round(ref_fixed[0] / seconds * n_tok / sum(len(t) for t in ref_fixed[1]), 4),
+                   paper_h100_eager=PAPER_H100_EAGER.get(B, (None, None))[0 if mode == "fixed" else 1])
+        if ref_ouro is not None:
+            row.update(x_ouro_way_graphed=round(ref_ouro[0] / seconds, 4),
+                       x_ouro_way_eager=round(ouro_eager[0] / seconds, 4))
+        rows.append(row)
+    return rows
+
+
+def bench_gpu(c):
+    device = c["device"]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(device).type == "cuda"
+    batches = [int(b) for b in (c["batches"] or "1,8,32").split(",")]
+    g = torch.Generator().manual_seed(c["seed"])
+    vocab = SHAPES[c["gpu_shape"]]["vocab_size"]
+    prompts = {B: torch.randint(0, vocab, (B, N_PROMPT), generator=g).tolist() for B in batches}
+    t_start = time.perf_counter()
+    counted = counts(c["gpu_shape"], device, batches)
+    print(f"counted in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    model = ouro_shape_model(c["gpu_shape"], device, c["seed"], prompts[max(batches)]).fuse_projections()
+    wb, wh = weight_bytes(model)
+    t_w, t_h = wb / BANDWIDTH, wh / BANDWIDTH
+    U = model.config.n_loops
+    print(f"model: {c['gpu_shape']} ({model.num_params() / 1e9:.3f} B parameters, {model.lm_head.weight.dtype}) on "
+          f"{torch.cuda.get_device_name() if cuda else 'cpu'}; block {wb / 1e9:.3f} GB = {1e3 * t_w:.3f} ms at "
+          f"{BANDWIDTH / 1e12:.1f} TB/s, head {wh / 1e9:.3f} GB = {1e3 * t_h:.3f} ms; gate bias "
+          f"{float(model.early_exit_gate.bias):.3f}", file=sys.stderr)
+    engines = [("engine", "fixed"), ("engine", "dense_ragged"), ("engine", "ete_ragged")]
+    ready = [True, False] if cuda else ["ready", False]     # on a CPU: the graph-ready code without graphs
+    batch_configs = [(k, m, gr) for gr in ready for k, m in [("ouro_way", "fixed")] + engines]
+    queue_configs = [(k, m, gr) for gr in ready[:1] for k, m in engines]
+    runs, checks, rounds = [], [], max(c["rounds"], 3)
+    for B in batches:
+        best = time_configs(model, prompts[B], batch_configs, rounds)
+        graphed = True if cuda else "ready"
+        agree = sum(a == b for x, y in zip(best["engine", "fixed", graphed][1], best["ouro_way", "fixed", graphed][1])
+                    for a, b in zip(x, y)) / (B * N_NEW)
+        checks.append(dict(batch=B, check="graphed fixed@U = graphed Ouro way, greedy tokens", agree=agree))
+        runs += rows_of(best, B, "batch", t_w, t_h, U)
+        if cuda:
+            checks += replay_checks(model, prompts[B], best)
+        queue = {m: queue_requests(B, vocab, c["seed"], m) for _, m in engines}
+        best = {cf: time_configs(model, prompts[B], [cf], rounds, queue[cf[1]])[cf] for cf in queue_configs}
+        runs += rows_of(best, B, "queue", t_w, t_h, U)
+        print(f"  batch {B} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    print_gpu(runs, checks, counted)
+    out = {"bench": "engine-gpu", "model": c["gpu_shape"], "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "torch": torch.__version__, "prompt_len": N_PROMPT, "new_tokens": N_NEW, "thr": THR,
+           "gate_bias": float(model.early_exit_gate.bias), "bandwidth": BANDWIDTH, "block_bytes": wb, "head_bytes": wh,
+           "seconds": round(time.perf_counter() - t_start, 1), "counts": counted, "checks": checks, "runs": runs}
+    if c["out"]:
+        os.makedirs(os.path.dirname(os.path.abspath(c["out"])), exist_ok=True)
+        with open(c["out"], "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def print_gpu(runs, checks, counted):
     err = sys.stderr
-    print(f"{'batch':>5} {'mode':<13}{'graphs':<7}{'tok/s':>9}{'pass ms':>9}{'Ē dec':>7}{'ceiling':>9}{'of it':>7}"
-          f"{'x fixed g':>10}{'x ouro g':>9}{'x ouro e':>9}{'paper':>8}", file=err)
+    k = counted["kernels"]
+    print(f"counted (Inductor's Triton scheduling, {k['rows']} row): a layer {k['launches_per_layer']} launches "
+          f"({k['gemms_per_layer']} GEMMs, {k['layer']['op']} paged attention, {k['layer']['kernel']} fused kernels); "
+          f"a pass {k['launches_per_pass']}; finish_rows {k['finish_rows_launches']}", file=err)
+    for B, h in counted["host"].items():
+        print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} host-to-device copies, "
+              f"{h['syncs_per_steady_step']} syncs ({h['steady_steps']} steps); passes launched {h['passes_launched']} "
+              f"for {h['passes_with_rows']} with rows", file=err)
+    print(f"{'work':<6}{'batch':>5} {'mode':<13}{'graphs':<7}{'tok/s':>9}{'passes':>7}{'Σ e':>7}{'pass ms':>9}"
+          f"{'eff':>6}{'Ē dec':>7}{'ceiling':>9}{'of it':>7}{'x fixed g':>10}{'x ouro g':>9}{'x ouro e':>9}"
+          f"{'paper':>8}",
+          file=err)
     for r in runs:
         paper = f"{r['paper_h100_eager']:.1f}" if r["paper_h100_eager"] else "-"
-        print(f"{r['batch']:>5} {r['mode']:<13}{str(r['graphs']):<7}{r['tok_s']:>9.1f}{r['pass_ms']:>9.3f}"
+        ouro = (f"{r['x_ouro_way_graphed']:>9.2f}{r['x_ouro_way_eager']:>9.2f}" if "x_ouro_way_graphed" in r
+                else f"{'-':>9}{'-':>9}")
+        print(f"{r['workload']:<6}{r['batch']:>5} {r['mode']:<13}{str(r['graphs']):<7}{r['tok_s']:>9.1f}"
+              f"{r['passes']:>7}{r['sum_exits']:>7}{r['pass_ms']:>9.3f}{r['efficiency']:>6.2f}"
               f"{r['avg_decode_depth']:>7.2f}{r['ceiling_tok_s']:>9.1f}{r['ceiling_fraction']:>7.3f}"
-              f"{r['x_fixed_graphed']:>10.2f}{r['x_ouro_way_graphed']:>9.2f}{r['x_ouro_way_eager']:>9.2f}{paper:>8}",
-              file=err)
+              f"{r['x_fixed_graphed']:>10.2f}{ouro}{paper:>8}", file=err)
     for ch in checks:
         print(f"check, batch {ch['batch']}: {ch['check']}: {ch.get('agree', ch.get('equal'))}", file=err)
-    print("tok/s: B x 32 new tokens over the whole run (32-token prompts included), fastest of the rounds; ceiling: "
-          "decode reading the weights at the bandwidth (fixed and the Ouro way U passes and one head a token, ragged "
-          "Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, the graphed and the "
-          "eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ 0.3)", file=err)
+    print("batch: B requests of 32 + 32 tokens; queue: 4B requests of random lengths through B slots. tok/s: new "
+          "tokens over the whole run (prompts included), fastest of the rounds; Σ e: block applications to tokens; "
+          "eff: the weight reads' own time (passes x block + head calls x head, at the bandwidth) over the wall time; "
+          "ceiling: decode reading the weights at the bandwidth (fixed and the Ouro way U passes and one head a token, "
+          "ragged Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, the graphed and "
+          "the eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ 0.3)", file=err)

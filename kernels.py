@@ -291,19 +291,32 @@ def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=
 
 # ----------------------------------------------------------------------------- reading a page table in place
 
-def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl="torch", n_keys=None, n_splits=1,
-                          scale=None):
+@torch.library.custom_op("looped::flash_decode_table", mutates_args=())
+def flash_decode_table(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+                       req: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
+    """flash_decode reading the page table in place, as an operator that torch.compile places inside
+    the graph it compiles (one launch, or two with key splits) instead of breaking the graph around
+    it: the norms and residuals on either side then fuse into the compiled code (slot_pass.py)."""
+    return flash_decode(q, k_pages, v_pages, table, req, depth, lengths, n_splits)
+
+
+@flash_decode_table.register_fake
+def _(q, k_pages, v_pages, table, req, depth, lengths, n_splits):
+    return torch.empty_like(q)
+
+
+def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl="torch", n_keys=None, n_splits=1):
     """Row r reads the first lengths[r] entries of table[req[r], depth[r]]: its request's column at its
     depth (Eq. 7 through Eq. 11), straight from the page table, with no value read on the host (the
     slot engine's pass, slot_pass.py). table [requests, depths, keys] int64.
     torch: gathers the first n_keys entries of every row (n_keys >= the longest row) and masks the
     rest: paged_attention_torch's read. triton: flash_decode with a fixed grid of n_splits."""
     if impl == "triton":
-        return flash_decode(q, k_pages, v_pages, table, req, depth, lengths, n_splits, scale)
+        return flash_decode_table(q, k_pages, v_pages, table, req, depth, lengths, n_splits)
     ids = table[req, depth, :n_keys]                                               # [R, n_keys]
     valid = torch.arange(ids.shape[1], device=q.device)[None, :] < lengths[:, None]
     plan = torch.where(valid, ids, 0).reshape(-1), valid[:, None, None, :], None   # gather_plan's, with a mask always
-    return paged_attention_torch(q, k_pages, v_pages, ids, lengths, scale, plan)
+    return paged_attention_torch(q, k_pages, v_pages, ids, lengths, None, plan)
 
 
 # ----------------------------------------------------------------------------- FlexAttention

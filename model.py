@@ -110,6 +110,21 @@ def attention(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
+def stack_weights(*linears):
+    """One weight for several projections of the same input: their weights stacked along the output,
+    with each Linear's weight turned into a view of its rows (one tensor in memory, whatever later
+    changes it in place). One GEMM then does the work of several: fewer kernels a layer, the way
+    inference engines run q/k/v and gate/up (gpt-fast's wqkv). The checkpoint keeps its own names:
+    the stacked weight is a non-persistent buffer, the views stay the parameters it saves."""
+    stacked = torch.cat([lin.weight.detach() for lin in linears])
+    at = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = stacked[at:at + n]
+        at += n
+    return stacked
+
+
 class Attention(nn.Module):
     """The projections of grouped-query attention (the attention itself is `attention`, or a cache's)."""
 
@@ -120,13 +135,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
+        self.register_buffer("qkv_weight", None, persistent=False)     # q, k, v stacked (fuse), else None
+
+    def fuse(self):
+        self.qkv_weight = stack_weights(self.q_proj, self.k_proj, self.v_proj)
 
     def qkv(self, x, cos, sin):
-        """Queries, keys and values (B, heads, T, D), queries and keys rotated (RoPE)."""
+        """Queries, keys and values (B, heads, T, D), queries and keys rotated (RoPE): one GEMM when
+        fused, else three."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.qkv_weight is None or torch.is_grad_enabled():    # autograd reaches the parameters, not the stack
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = F.linear(x, self.qkv_weight).split([self.q_proj.out_features, self.k_proj.out_features,
+                                                          self.v_proj.out_features], -1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, y):
@@ -141,9 +166,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)   # gate, up stacked (fuse), else None
+
+    def fuse(self):
+        self.gate_up_weight = stack_weights(self.gate_proj, self.up_proj)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        if self.gate_up_weight is None or torch.is_grad_enabled():
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, -1)    # one GEMM
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class Layer(nn.Module):
@@ -195,6 +228,18 @@ class LoopedLM(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
+
+    def fuse_projections(self):
+        """Four GEMMs a layer instead of seven: q/k/v as one projection and gate/up as one
+        (stack_weights), for the graphed engine (slot_engine.py), which calls it when it starts
+        (idempotent), where a layer's launches are its cost. The eager engine leaves them apart: on a
+        CPU one wide GEMM is slower than three narrow ones at 4-8 rows (docs/benchmarks.md). Call it
+        after moving the model (.to() would copy the stacked weights apart from the parameters)."""
+        for layer in self.layers:
+            if layer.self_attn.qkv_weight is None:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+        return self
 
     def rope(self, positions, dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)

@@ -49,18 +49,27 @@ class StaticLanes(DenseLanes):
     """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, bench_gpu.py): the next
     position is a tensor on the device, each layer writes its K/V there and attends over the whole
     lane through a mask of the positions written so far, as gpt-fast's static cache does; `depth`
-    is a Python int (a graph unrolls the loops)."""
+    is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so that a
+    compiled step writes each in place."""
 
     def __init__(self, model, n_lanes, max_len, batch=1):
-        super().__init__(model, n_lanes, max_len, batch)
-        self.pos = torch.zeros(1, dtype=torch.long, device=self.k.device)
+        cfg, p = model.config, model.lm_head.weight
+        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype, device=p.device)
+        self.k = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
+        self.v = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
+        self.depth = 0
+        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)
+
+    def buffers(self):
+        """Every tensor a step changes (for a graph capture to restore)."""
+        return [t for lanes in (self.k, self.v) for lane in lanes for t in lane] + [self.pos]
 
     def begin(self, depth, pos=None):
         self.depth = depth
 
     def layer_kv(self, layer, k, v):
         at = self.pos + torch.arange(k.shape[2], device=k.device)               # this chunk's positions
-        lane_k, lane_v = self.k[self.depth, layer], self.v[self.depth, layer]
+        lane_k, lane_v = self.k[self.depth][layer], self.v[self.depth][layer]
         lane_k.index_copy_(2, at, k)
         lane_v.index_copy_(2, at, v)
         return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
@@ -105,15 +114,17 @@ class PageError(Exception):
 
 class PagePool:
     """Physical K/V storage. One page = one token's K and V at one depth, in every layer.
-    k[layer, page] has shape (n_kv_head, head_dim). A free list hands pages out."""
+    k[layer][page] has shape (n_kv_head, head_dim): a tensor per layer, not views of one, so that a
+    compiled pass writes each in place (a write through a view of a graph's input is copied whole).
+    A free list hands pages out."""
 
     def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu", scratch=False):
         self.n_pages = n_pages
         # scratch: one more page, past the last, that padding rows of a static batch write and no row
         # reads (slot_pass.py); it is never handed out
         self.scratch = n_pages if scratch else None
-        self.k = torch.zeros(n_layer, n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        page = lambda: torch.zeros(n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype, device=device)
+        self.k, self.v = [page() for _ in range(n_layer)], [page() for _ in range(n_layer)]
         self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.owner = [None] * n_pages                 # which sequence holds each page
         self.peak = 0

@@ -136,14 +136,21 @@ def sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, seed=0, position=0
     return int(ids[torch.argmax(z + g)])
 
 
-def sample_tokens(logits, temperature, top_k, top_p, seed, position):
+def sample_tokens(logits, temperature, top_k, top_p, seed, position, nucleus=True):
     """The same draw for a batch, with static shapes and no value read on the host (a CUDA graph
     runs it): logits [R, V]; per row temperature, top_p (float), top_k, seed bits and position
-    (int64), all [R]. Rows of temperature 0 take the argmax. The nucleus by sorting each row."""
+    (int64), all [R]. Rows of temperature 0 take the argmax. The nucleus by sorting each row;
+    nucleus=False when no row asks for top-k or top-p: then every token is kept, and the Gumbel-max
+    over the whole vocabulary is the same draw without the sort (one pass over the logits, the
+    greedy rows' argmax in it)."""
     dt = torch.promote_types(logits.dtype, torch.float32)
     x = logits.to(dt)
     R, V = x.shape
     z = x / torch.where(temperature > 0, temperature, 1.0).to(dt)[:, None]
+    ids = torch.arange(V, device=x.device)
+    g = -torch.log(-torch.log(keyed_uniform(seed, position, ids, dt)))
+    if not nucleus:
+        return torch.where(temperature[:, None] > 0, z + g, x).argmax(-1)
     sz, order = torch.sort(z, dim=-1, descending=True)
     k = torch.where((top_k > 0) & (top_k < V), top_k, V)
     kth = sz.gather(1, (k - 1)[:, None])
@@ -152,7 +159,5 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, position):
     mass = p.cumsum(-1)
     keep = ((mass - p) < top_p[:, None].to(dt)) | (top_p[:, None] >= 1.0)
     keep = torch.zeros_like(keep).scatter(1, order, keep & (sz > float("-inf")))   # back to vocabulary order
-    ids = torch.arange(V, device=x.device)
-    g = -torch.log(-torch.log(keyed_uniform(seed, position, ids, dt)))
     drawn = torch.where(keep, z + g, float("-inf")).argmax(-1)
     return torch.where(temperature > 0, drawn, x.argmax(-1))

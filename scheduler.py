@@ -15,7 +15,7 @@ A request in the queues is the engine's own record of it (rows.Live, rows.Seat):
 """
 from collections import deque
 
-from modes import keeps_one_depth, n_run
+from modes import MODES, keeps_one_depth, n_run
 
 SCHEDULERS = ["continuous", "nested", "fixed"]
 
@@ -55,6 +55,42 @@ def dry_pool(r, pool, U):
     return (f"the pool has {pool.n_pages} KV pages; this request held {pool.used} after {len(r.tokens)} of "
             f"{r.max_tokens} tokens and needs up to {worst} (prompt of {len(r.prompt)} tokens in mode {r.mode}, "
             "every position at every depth)")
+
+
+# ----------------------------------------------------------------------------- passes a running request still needs
+# The slot engine launches several passes before it reads what they did (slot_engine.py): how many
+# passes a request's remaining tokens take, with `pending` passes run but not yet read.
+
+def per_token(r, U):
+    """The fewest and the most passes a decode token of r takes: all its depths where its rows run
+    to the last (fixed, Ouro mode), else 1 to all."""
+    m = n_run(r, U)
+    rule = MODES[r.mode].decode
+    return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
+
+
+def surely_done(s, pending, U):
+    """Whether s may have sampled its last token within `pending` passes not read yet (each token takes
+    at least its fewest passes)."""
+    return s.ending or len(s.req.tokens) + pending // per_token(s.req, U)[0] >= s.req.max_tokens
+
+
+def passes_sure(s, pending, U):
+    """The passes in which s surely still runs a row, after `pending` passes not read yet: a request
+    with tokens to come always has a row running, its current token takes at least one more pass and
+    each later one at least its fewest; a prompt or replay still to run: one (a decision is due)."""
+    if s.done < s.host_end:
+        return 1
+    return (s.req.max_tokens - len(s.req.tokens) - 1) * per_token(s.req, U)[0] + 1 - pending
+
+
+def passes_left(s, pending, U):
+    """The most passes s may still run after `pending` passes not read yet: its tokens to come, each at
+    most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
+    replay still to run: one pass at a time (a decision is due)."""
+    if s.done < s.host_end:
+        return 1
+    return max((s.req.max_tokens - len(s.req.tokens)) * per_token(s.req, U)[1] - pending, 0)
 
 
 class Scheduler:

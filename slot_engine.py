@@ -16,10 +16,10 @@ float64) and keeps its state on the device, in slot_pass.Slots:
     belongs to the host: admission, page ownership and reservation, preemption and replay, the
     requests' tokens and callbacks.
 
-On CUDA each bucket of rows (1, 2, 4, 8, ...) is captured once as a CUDA graph and replayed, the
-pass's phases compiled (slot_pass.compiled_phases). What the pass does not cover stays with the
-Engine: the nested scheduler, the shared LM head, the Table 17 caches. engine_for picks the engine
-for a device.
+On CUDA the pass is compiled whole (slot_pass.compiled_pass) and every bucket of rows (2, 4, 8, ...)
+is captured as a CUDA graph when the engine starts, then replayed; between replays the host's writes
+travel in one copy (slot_pass.Upload). What the pass does not cover stays with the Engine: the nested
+scheduler, the shared LM head, the Table 17 caches. engine_for picks the engine for a device.
 
 A request's record here is rows.Seat; the queue and admission are scheduler.py's, as the Engine's
 are; the graphs are slot_pass.Graphs. Read top to bottom: the engine (its interface, what the host
@@ -31,13 +31,14 @@ import torch
 
 from configurator import UserError
 from kernels import resolve_impl, splits_for
-from modes import MODES, as_fixed, check_request, decode_rule, keeps_one_depth, n_run, position_rules
+from modes import as_fixed, check_request, decode_rule, keeps_one_depth, n_run, position_rules
 from ragged import PagePool, RaggedSeq
 from request import seed_bits
-from scheduler import Scheduler
+from scheduler import Scheduler, passes_left, passes_sure, surely_done
 from serve_depthbatch import Engine, check_pool
 from rows import Seat
-from slot_pass import PLAIN, ROWS, Graphs, Slots, bucket, compiled_phases, run_pass
+from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, compiled_pass, run_pass,
+                       sampling_kind)
 
 SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
 ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
@@ -53,15 +54,18 @@ class SlotEngine:
     Where it departs from the Engine, by design: pages are reserved for every depth of a position
     before it runs (the device decides the exits) and returned at its exit, so a tight pool preempts
     earlier; a fixed wave holds requests of one depth until they finish; the nested scheduler, the
-    shared head and the Table 17 modes are the Engine's alone. graphs: capture each bucket as a CUDA
-    graph; fuse: compile the pass's phases (compiled_phases); "auto": both on CUDA."""
+    shared head and the Table 17 modes are the Engine's alone. graphs: capture every bucket as a CUDA
+    graph when the engine starts, for each of the `sampling` kinds (slot_pass.SAMPLING; a kind left out
+    is captured on its first use); fuse: compile the pass whole (compiled_pass); "auto": both on CUDA.
+    The model's projections are stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
-                 sync_every=8, graphs="auto", fuse="auto", overlap=True, keep_logits=False, n_stop=8):
+                 sync_every=8, graphs="auto", fuse="auto", overlap=True, keep_logits=False, n_stop=8,
+                 sampling=SAMPLING):
         if scheduler not in SCHEDULERS:
             raise UserError(f"--scheduler={scheduler!r}; allowed with the slot engine: {', '.join(SCHEDULERS)} "
                             "(the nested scheduler runs on --engine=eager)", "scheduler")
-        self.model, self.U = model, model.config.n_loops
+        self.model, self.U = model.fuse_projections(), model.config.n_loops
         self.device = model.lm_head.weight.device
         try:
             attn = resolve_impl(attn, self.device)
@@ -80,7 +84,8 @@ class SlotEngine:
         self.n_splits = lambda R: splits_for(R * model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
         cuda = self.device.type == "cuda"
         self.graphs = Graphs(self.slots.buffers) if (cuda if graphs == "auto" else graphs) else None
-        self.phases = compiled_phases() if (cuda if fuse == "auto" else fuse) else PLAIN
+        self.fuse = cuda if fuse == "auto" else fuse
+        self.upload = Upload(self.device)
         self.finished = []
         self.by_slot, self.free_slots = [None] * max_batch, list(range(max_batch - 1, -1, -1))
         self.next_id = 0
@@ -88,13 +93,20 @@ class SlotEngine:
         # (running or holding a token), of which request slot, how many run; and what it will write
         self.live = torch.zeros(self.slots.R, dtype=torch.bool)
         self.row_req = torch.full((self.slots.R,), max_batch, dtype=torch.long)
-        self.slots_active, self.R_now, self.launched = 0, 1, []
+        self.slots_active, self.R_now = 0, 2
         self.restarted = set()                                         # seats the device restarted in the last pass
-        self._rows, self._pages = [], []
-        # passes whose log is not read yet (see step), and the pinned host buffers of the copies
-        self.overlap, self.ticket, self.pinned, self.flip = overlap, None, {}, 0
-        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0)
+        self._admits, self._rows, self._pages, self._perm = [], [], [], None     # the host's writes of this step
+        # passes whose log is not read yet (see step), and the copies to the host that it reads
+        self.overlap, self.ticket, self.download = overlap, None, Download(self.device)
+        # passes: those in which a row ran (the Engine's count); launched: all, idle ones too; waits: log reads
+        # that waited for the device
+        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0,
+                          launched=0, waits=0)
         self.passes_run, self.read_early = 0, []
+        if self.graphs is not None:       # every kind of pass it runs, now: serving never stalls on a first use
+            buckets = sorted({bucket(n, self.slots.R) for n in range(1, self.slots.R + 1)})
+            waves = [(True,)] if scheduler != "fixed" else [(False,) * (m - 1) + (True,) for m in range(1, self.U + 1)]
+            self.graphs.capture_all([(R, n_keys, w, k) for R in buckets for w in waves for k in sampling], self._passes)
 
     # ------------------------------------------------------------------ the Engine's interface
 
@@ -160,41 +172,25 @@ class SlotEngine:
         only; otherwise one pass, the head on)."""
         self._start_chunks()
         pending = len(self.ticket[0]) if self.ticket is not None else 0      # passes run but not read yet
-        if not self.live.any() or (pending and all(self._surely_done(s, pending) for s in self.scheduler.running)):
+        running = self.scheduler.running
+        if not self.live.any() or (pending and all(surely_done(s, pending, self.U) for s in running)):
             return []
         due = self._due()
-        most = max(self._passes_left(s, pending) for s in self.scheduler.running)     # no request needs more
         if self.scheduler.kind == "fixed":  # every live row starts a wave at depth 1, all of one depth
             m = self._wave_depth()
-            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log.shape[0], most) // m))
+            most = max(passes_left(s, pending, self.U) for s in running)       # exact: a wave runs a whole token
+            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log_len, most) // m))
         else:
-            waves = [(True,)] * (1 if due else max(1, min(self.sync_every, most)))
+            sure = max(passes_sure(s, pending, self.U) for s in running)       # no pass without a row in it
+            if pending and sure <= 0:
+                return []                                                     # read the log first
+            waves = [(True,)] * (1 if due else max(1, min(self.sync_every, sure)))
         self._reserve_ahead(pending + sum(len(w) for w in waves))
         if self.scheduler.waiting:                    # a preemption left a request waiting: decide again after one wave
             waves = waves[:1]
+        self._choose_bucket(due=due)
         self._flush()
-        self._choose_bucket(compact=not pending, due=due)
         return waves if self.live.any() else []
-
-    def _surely_done(self, s, pending):
-        """Whether s has surely sampled its last token within `pending` passes not read yet (a token
-        takes at least one pass, and all its depths where rows run to their last)."""
-        return s.ending or len(s.req.tokens) + pending // self._per_token(s.req)[0] >= s.req.max_tokens
-
-    def _passes_left(self, s, pending):
-        """The most passes s may still run after `pending` passes not read yet: its tokens to come, each
-        at most all its depths (exactly that in a fixed wave), less the passes already run (each moves
-        its row one depth on); a prompt or replay still to run: one pass at a time (a decision is due)."""
-        if s.done < s.host_end:
-            return 1
-        return max((s.req.max_tokens - len(s.req.tokens)) * self._per_token(s.req)[1] - pending, 0)
-
-    def _per_token(self, r):
-        """The fewest and the most passes a decode token of r takes: all its depths where its rows run
-        to the last (fixed, Ouro mode), else 1 to all."""
-        m = n_run(r, self.U)
-        rule = MODES[r.mode].decode
-        return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
 
     def _start_chunks(self):
         """The scheduler's chunks over the slots (as Engine._start_groups): a running request whose
@@ -230,11 +226,10 @@ class SlotEngine:
         s.host_end = len(r.prompt) + len(r.tokens) - (1 if s.ending else 0)
         tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
-        i = s.slot
-        st.ntok[i], st.max_tok[i], st.dec_n_run[i], st.horizon[i] = len(r.tokens), r.max_tokens, n_run(r, self.U), -1
-        st.stop_ids[i] = torch.tensor(stop, device=st.stop_ids.device)
-        st.dec_tau[i], st.dec_full[i], st.ended[i] = tau, full, s.ending
-        st.seed[i], st.top_k[i], st.temperature[i], st.top_p[i] = seed_bits(r.seed), r.top_k, r.temperature, r.top_p
+        self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens, dec_n_run=n_run(r, self.U),
+                                          horizon=-1, stop_ids=stop, dec_tau=tau, dec_full=full, ended=s.ending,
+                                          seed=seed_bits(r.seed), top_k=r.top_k, temperature=r.temperature,
+                                          top_p=r.top_p)))
 
     def _start_chunk(self, s, end):
         """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with the
@@ -283,43 +278,38 @@ class SlotEngine:
         return True
 
     def _flush(self):
-        """The host's writes of this step, one index_put per buffer: new rows, reserved pages, horizons."""
-        st, dev = self.slots, self.slots.table.device
-        for idx, fields in self._rows:
-            idx = idx.to(dev)
+        """The host's writes of this step, in one copy (Upload): request slots admitted, new rows, reserved
+        pages, horizons, then the compaction's permutation of the rows."""
+        st, up = self.slots, self.upload
+        for at, fields in self._admits + self._rows:          # a request slot, or the rows of a chunk
             for name, value in fields.items():
-                buf = getattr(st, name)
-                buf[idx] = torch.as_tensor(value, dtype=buf.dtype).to(dev)
-        if self._pages:
-            slot = torch.cat([torch.full((p.numel(),), i) for i, _, p in self._pages])
-            depth = torch.cat([torch.arange(p.shape[1]).repeat(p.shape[0]) for _, _, p in self._pages])
-            pos = torch.cat([q.repeat_interleave(p.shape[1]) for _, q, p in self._pages])
-            pages = torch.cat([p.reshape(-1) for _, _, p in self._pages])
-            st.table[slot.to(dev), depth.to(dev), pos.to(dev)] = pages.to(dev)
+                up.write(getattr(st, name), at, value)
+        for slot, pos, pages in self._pages:
+            up.write(st.table, (slot, torch.arange(pages.shape[1])[None, :], pos[:, None]), pages)
         if self.scheduler.running:
-            st.horizon[torch.tensor([s.slot for s in self.scheduler.running], device=dev)] = torch.tensor(
-                [s.reserved for s in self.scheduler.running], device=dev)
-        self._rows, self._pages = [], []
+            up.write(st.horizon, torch.tensor([s.slot for s in self.scheduler.running]),
+                     [s.reserved for s in self.scheduler.running])
+        up.send([getattr(st, name) for name in ROWS], self._perm)
+        self._admits, self._rows, self._pages, self._perm = [], [], [], None
 
-    def _choose_bucket(self, compact=True, due=False):
+    def _choose_bucket(self, due=False):
         """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are moved to
-        the front (one gather per buffer) when a smaller bucket would hold them: at once when that
-        quarters the bucket, else once no decision is due (a prompt in flight shrinks pass by pass:
-        each bucket would be one more graph to capture). While passes run unread, the host's copy of
-        the rows may list rows that have gone idle since, never one that started: the bucket still
-        holds them all, but the copy is not to be compacted."""
+        the front (a permutation, sent with the step's writes) when a smaller bucket would hold them: at
+        once when that quarters the bucket, else once no decision is due (a prompt in flight shrinks pass
+        by pass: each bucket is one more graph to replay). While passes run unread, the host's copy of
+        the rows may list rows that have gone idle since, never one that started: moving them too is
+        harmless, and the copy of the rows those passes return is permuted alike when it is read."""
         live = self.live.nonzero()[:, 0]
         cap = self.slots.R
-        now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (1, 1)
-        if compact and len(live) and (now >= 4 * least or (now > least and not due)):
+        now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (2, 2)
+        if len(live) and (now >= 4 * least or (now > least and not due)):
             perm = torch.cat([live, (~self.live).nonzero()[:, 0]])
-            dev_perm = perm.to(self.slots.table.device)
-            for name in ROWS:
-                buf = getattr(self.slots, name)
-                buf.copy_(buf[dev_perm])
+            self._perm = perm if self._perm is None else self._perm[perm]
+            if self.ticket is not None:
+                self.ticket[4].append(perm)
             self.live, self.row_req = self.live[perm], self.row_req[perm]
             live = self.live.nonzero()[:, 0]
-        self.R_now = bucket(int(live[-1]) + 1, cap) if len(live) else 1
+        self.R_now = bucket(int(live[-1]) + 1 if len(live) else 1, cap)
 
     # ------------------------------------------------------------------ the passes, and what they did
 
@@ -328,52 +318,53 @@ class SlotEngine:
         a copy of their log and of the rows' state, started without waiting. Returns the ticket that
         _read_log takes: (buckets of the passes, the first pass's index, the copies, an event)."""
         R, st = self.R_now, self.slots
-        sampling = any(s.req.temperature > 0 for s in self.scheduler.running)
+        sampling = sampling_kind(s.req for s in self.scheduler.running)
         longest = max(s.started for s in self.scheduler.running) + sum(len(w) for w in waves)
         if self.ticket is not None:
             longest += len(self.ticket[0])
-        n_keys = st.n_keys if self.attn == "triton" else bucket(longest, st.n_keys)   # the torch read gathers n_keys
+        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under graphs
+        n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
         launched = []
         for wave in waves:
-            run = lambda wave=wave: [run_pass(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling,
-                                              self.phases) for head in wave]
+            run = self._passes(R, n_keys, wave, sampling)
             if self.graphs is not None:
                 self.graphs.replay((R, n_keys, wave, sampling), run)
             else:
                 run()
             launched += [R] * len(wave)
             self.stats["head_calls"] += sum(wave)
+        self.stats["launched"] += len(launched)
         first, self.passes_run = self.passes_run, self.passes_run + len(launched)
         rows = torch.stack([st.active.long(), st.hold.long(), st.req])
-        copies = [st.log, rows] + ([st.logits] if st.logits is not None else [])
-        if self.device.type != "cuda":
-            return launched, first, [c.clone() for c in copies], None
-        self.flip = 1 - self.flip                  # two sets of pinned buffers: one being read, one being filled
-        if self.flip not in self.pinned:
-            self.pinned[self.flip] = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True) for c in copies]
-        host = self.pinned[self.flip]
-        for h, c in zip(host, copies):
-            h.copy_(c, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return launched, first, host, done
+        host, done = self.download.start(st.log + [rows] + ([st.logits] if st.logits is not None else []))
+        return launched, first, host, done, []         # [] the compactions made while it is unread
+
+    def _passes(self, R, n_keys, wave, sampling):
+        """The passes of one wave (one pass, or a fixed wave's), as one function for a graph to capture."""
+        pass_fn, st = compiled_pass() if self.fuse else run_pass, self.slots
+        return lambda: [pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
+                        for head in wave]
 
     def _read_log(self, ticket):
         """A ticket's log, pass by pass: exits recorded, tokens delivered (callbacks, stop ids,
         max_tokens), stopped rows aliased in the host tables and their unused pages returned,
         restarts noted, finished and cancelled requests ended. Returns [(request, token)] delivered."""
-        launched, first, (log, rows, *logits), done = ticket
+        launched, first, copies, done, perms = ticket
+        log, (rows, *logits) = copies[:len(LOG)], copies[len(LOG):]
         if done is not None:
             done.synchronize()
+        self.stats["waits"] += 1
         st = self.slots
-        L = log.shape[0]
+        L = st.log_len
         self.live, self.row_req, self.slots_active = (rows[0] + rows[1]) > 0, rows[2].clone(), int(rows[0].sum())
+        for perm in perms:                            # the rows as the host has moved them since
+            self.live, self.row_req = self.live[perm], self.row_req[perm]
         delivered = []
         for i, R in enumerate(launched):
             at = (first + i) % L
             self.restarted = set()
             ran = 0
-            for r, (slot, pos, depth, exit, tok, stop, go) in enumerate(zip(*log[at, :, :R].tolist())):
+            for r, (slot, pos, depth, exit, tok, stop, go) in enumerate(zip(*[f[at, :R].tolist() for f in log])):
                 s = self.by_slot[slot] if slot < st.S else None
                 if s is None:
                     continue
@@ -492,6 +483,7 @@ class SlotEngine:
         self.row_req[gone] = st.S
         self._pages = [p for p in self._pages if p[0] != i]
         self._rows = [(idx, f) for idx, f in self._rows if f["req"] != i]
+        self._admits = [a for a in self._admits if a[0] != i]
         self.by_slot[i], s.slot = None, None
         self.free_slots.append(i)
 

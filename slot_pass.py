@@ -11,15 +11,14 @@ and each row running on, restarting in place at depth 1 with its sampled token, 
 idle. No value is read on the host and no Python branch depends on data: it runs on the `meta`
 device and compiles to one graph (test_slots.py).
 
-Read top to bottom: the buffers; the pass, in its phases; the phases compiled (compiled_phases);
-the CUDA graphs that capture a kind of pass once and replay it (Graphs).
+Read top to bottom: the buffers, the host's writes into them (one copy a step: Upload) and its copies
+of them (Download); the pass, in its phases; the pass compiled whole (compiled_pass); the CUDA graphs
+that capture every kind of pass when the engine starts and replay them (Graphs).
 """
-from types import SimpleNamespace
-
 import torch
 
 from kernels import paged_attention_table
-from model import FULL, Layer, at_least_fp32, exit_now
+from model import FULL, at_least_fp32, exit_now
 from request import sample_tokens
 
 LOG = ("req", "pos", "depth", "exit", "tok", "stop", "go")   # per pass and row: what the host reads back
@@ -28,8 +27,9 @@ ROWS = ("tok", "pos", "depth", "req", "n_run", "forced", "exit", "pend", "h", "s
 
 
 def bucket(n, cap):
-    """The row count a pass runs: the next power of two >= n, at most cap (a graph per bucket)."""
-    return min(cap, 1 << max(n - 1, 0).bit_length())
+    """The row count a pass runs: the next power of two >= n, at most cap (a graph per bucket), at least
+    2 (a dimension of 1 the compiler specializes into a graph of its own, which fuses worse)."""
+    return min(cap, max(2, 1 << max(n - 1, 0).bit_length()))
 
 
 # ----------------------------------------------------------------------------- the buffers
@@ -42,7 +42,7 @@ class Slots:
 
     def __init__(self, model, pool, n_rows, n_reqs, n_keys, log_len, n_stop=8, keep_logits=False):
         cfg, dt = model.config, model.lm_head.weight.dtype
-        dev, pdt = pool.k.device, at_least_fp32(dt)
+        dev, pdt = pool.k[0].device, at_least_fp32(dt)
         R, S, U = n_rows, n_reqs, cfg.n_loops
         ints = lambda *shape, fill=0: torch.full(shape, fill, dtype=torch.long, device=dev)
         flags = lambda *shape: torch.zeros(shape, dtype=torch.bool, device=dev)
@@ -62,7 +62,7 @@ class Slots:
         # request slots: page table, tokens sampled and allowed, stop ids, how a decode row runs
         # (τ, full, depths), the sampler's parameters, whether it has ended, the last position
         # whose pages are reserved (horizon)
-        self.table = ints(S + 1, U, n_keys, fill=pool.scratch)
+        self.table = ints(S + 1, U, n_keys + 1, fill=pool.scratch)     # + a column no row reads (alias_stopped)
         self.ntok, self.max_tok = ints(S + 1), ints(S + 1)
         self.dec_n_run, self.horizon = ints(S + 1, fill=1), ints(S + 1, fill=-1)
         self.stop_ids = ints(S + 1, n_stop, fill=-1)
@@ -71,30 +71,103 @@ class Slots:
         self.temperature, self.top_p = reals(S + 1), reals(S + 1, fill=1.0)
         self.cos, self.sin = model.rope(torch.arange(n_keys, device=dev), dt)    # what model.rope gives, once
         self.t = ints(1)                                                        # passes run (the log's write index)
-        self.log = ints(log_len, len(LOG), R)
+        self.log_len, self.log = log_len, [ints(log_len, R) for _ in LOG]      # a tensor per field (advance_rows)
         self.logits = torch.zeros(log_len, R, cfg.vocab_size, dtype=dt, device=dev) if keep_logits else None
 
     def buffers(self):
         """Everything a pass changes, but the page pool (for a capture to restore)."""
-        return [getattr(self, name) for name in ROWS + ("table", "ntok", "ended", "t", "log")] + (
+        return [getattr(self, name) for name in ROWS + ("table", "ntok", "ended", "t")] + self.log + (
             [self.logits] if self.logits is not None else [])
+
+
+class Upload:
+    """What the host writes into the device's buffers between passes, moved in one copy a step: each
+    write is a buffer, the flat positions of what it sets and their values; send() packs a step's
+    writes into a host buffer (pinned on CUDA; two, used in turn, so that the host fills one while a
+    copy from the other may still be queued), copies it to the device without waiting, and scatters
+    each write there, in the order written (one index_put each), then permutes the rows if the host
+    compacted them. Values travel as int64: floats as the bits of their float64, flags as 0 and 1."""
+
+    def __init__(self, device):
+        self.device, self.parts, self.where = device, [], {}
+        self.host, self.flip, self.dev = {}, 0, torch.empty(0, dtype=torch.long, device=device)
+
+    def write(self, buf, index, values):
+        """buf[index] = values at the next send: index anything that indexes buf (a row, a tensor of
+        rows, a tuple), values broadcast to what it selects."""
+        if id(buf) not in self.where:                   # each element's flat position, the host's map of buf
+            self.where[id(buf)] = torch.arange(buf.numel()).view(buf.shape)
+        at = self.where[id(buf)][index]
+        values = torch.broadcast_to(torch.as_tensor(values), at.shape).reshape(-1)
+        bits = values.to(torch.float64).view(torch.long) if buf.is_floating_point() else values.long()
+        self.parts.append((buf, at.reshape(-1), bits))
+
+    def send(self, rows=(), perm=None):
+        """The step's writes, in one host-to-device copy; then `rows` (buffers of one row each) permuted."""
+        if not self.parts and perm is None:
+            return
+        pieces = [t for _, index, bits in self.parts for t in (index, bits)] + ([perm] if perm is not None else [])
+        flat = torch.cat(pieces)
+        n = len(flat)
+        self.flip = 1 - self.flip
+        if self.host.get(self.flip) is None or len(self.host[self.flip]) < n:
+            size = max(n, 2 * len(self.host.get(self.flip, ())), 1024)
+            self.host[self.flip] = torch.empty(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        if len(self.dev) < n:
+            self.dev = torch.empty(max(n, 2 * len(self.dev), 1024), dtype=torch.long, device=self.device)
+        host = self.host[self.flip]
+        host[:n] = flat
+        self.dev[:n].copy_(host[:n], non_blocking=True)              # the step's one copy
+        at = 0
+        for buf, index, bits in self.parts:
+            k = len(index)
+            idx, vals = self.dev[at:at + k], self.dev[at + k:at + 2 * k]
+            vals = vals.view(torch.float64).to(buf.dtype) if buf.is_floating_point() else vals.to(buf.dtype)
+            buf.view(-1).index_put_((idx,), vals)
+            at += 2 * k
+        if perm is not None:
+            p = self.dev[at:at + len(perm)]
+            for buf in rows:
+                buf.copy_(buf[p])
+        self.parts = []
+
+
+class Download:
+    """Device buffers copied to the host without waiting: two sets of host buffers (pinned on CUDA),
+    used in turn, so that the host reads one while the next copy lands in the other (the engine reads
+    a copy before it starts the one after next); an event marks when a copy has landed (on a CPU the
+    copy has landed when it returns)."""
+
+    def __init__(self, device):
+        self.cuda, self.host, self.flip = torch.device(device).type == "cuda", {}, 0
+
+    def start(self, tensors):
+        """Copies of `tensors` on the host, and the event to wait for before reading them (None: ready)."""
+        self.flip = 1 - self.flip
+        if self.flip not in self.host:
+            self.host[self.flip] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in tensors]
+        for h, t in zip(self.host[self.flip], tensors):
+            h.copy_(t, non_blocking=True)
+        done = torch.cuda.Event() if self.cuda else None
+        if done is not None:
+            done.record()
+        return self.host[self.flip], done
 
 
 # ----------------------------------------------------------------------------- the pass
 
-def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling=False, phases=None):
+def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="greedy"):
     """One application of the block to the first R row slots, each row at its own position and depth,
     and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling where an
     exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in place with
     its sampled token, or going idle. head=False: a pass in which no row can exit (inside a fixed
-    wave); sampling=False: every row greedy. phases: the functions below (PLAIN), or their compiled
-    versions (on CUDA); attn, n_keys, n_splits: how rows read their keys (kernels.paged_attention_table)."""
-    ph = phases or PLAIN
-    h, cos, sin, wpage, lengths = ph.start(model, st, R)
+    wave); sampling: how tokens are drawn (SAMPLING); attn, n_keys, n_splits: how rows read their keys
+    (kernels.paged_attention_table). compiled_pass compiles it whole."""
+    h, cos, sin, wpage, lengths = start_rows(model, st, R)
     for i, layer in enumerate(model.layers):          # model.block, each layer's halves around the paged attention
-        q, k, v = ph.before(layer, h, cos, sin)
-        h = ph.after(layer, h, attend_rows(st, R, i, q, k, v, wpage, lengths, attn, n_keys, n_splits))
-    ph.finish(model, st, R, h, head, sampling)
+        q, k, v = layer.before_attention(h, cos, sin)
+        h = layer.after_attention(h, attend_rows(st, R, i, q, k, v, wpage, lengths, attn, n_keys, n_splits))
+    finish_rows(model, st, R, h, head, sampling)
 
 
 def start_rows(model, st, R):
@@ -124,9 +197,9 @@ def finish_rows(model, st, R, h, head, sampling):
     """After the block: the exits (Eq. 4), the LM head, the aliases (Eq. 11), and each row's next state."""
     hn, gate, h_next = model.exit_heads(h[0])
     newly, runs_on, survive = decide_exits(st, R, gate)
-    tok, emit, logits = sample_rows(model, st, R, hn, newly, head, sampling)
     stop = st.active[:R] & ~runs_on
     alias_stopped(st, R, stop)
+    tok, emit, logits = sample_rows(model, st, R, hn, newly, head, sampling)
     advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits)
 
 
@@ -144,28 +217,43 @@ def decide_exits(st, R, gate):
     return newly, runs_on, survive
 
 
+SAMPLING = ("greedy", "gumbel", "nucleus")   # a pass's draw: every row greedy; no top-k/top-p; some row asks one
+
+
+def sampling_kind(requests):
+    """The draw a pass needs for these requests: the cheapest that gives each its own tokens."""
+    sampled = [r for r in requests if r.temperature > 0]
+    if any(r.top_k or r.top_p < 1.0 for r in sampled):
+        return "nucleus"
+    return "gumbel" if sampled else "greedy"
+
+
 def sample_rows(model, st, R, hn, newly, head, sampling):
     """The LM head on every row (static shapes), and a token for each row whose exit samples one:
-    the argmax, or request.sample_tokens keyed by the request's seed and the row's position."""
+    the argmax, or request.sample_tokens keyed by the request's seed and the row's position (the
+    vocabulary sorted only where a request asks for top-k or top-p)."""
     if not head:
         zeros = torch.zeros(R, dtype=torch.long, device=hn.device)
         return zeros, zeros.bool(), None
     logits = model.lm_head(hn)
     req = st.req[:R]
-    tok = (sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R])
-           if sampling else logits.argmax(-1))
+    tok = (logits.argmax(-1) if sampling == "greedy" else
+           sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
+                         nucleus=sampling == "nucleus"))
     return tok, newly & st.sample[:R], logits
 
 
 def alias_stopped(st, R, stop):
     """Eq. 11: a row that stops at depth d points its deeper table entries at its page of depth d
     (A_d[i] = P_{i, min(d, e_i)}), so that later reads find it at every deeper depth. Writes never
-    go through an alias: a row writes only its own (position, depth) before it stops."""
+    go through an alias: a row writes only its own (position, depth) before it stops. One scatter
+    of static shape: every row writes its page at every depth, into its own column where it stops
+    and d is deeper, else into the table's last column, which no row reads."""
     req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
-    d = torch.arange(st.U, device=pos.device)
-    cols = req[:, None], d[None, :], pos[:, None]
-    col = st.table[cols]                                                       # [R, U]: the row's position, every depth
-    st.table[cols] = torch.where(stop[:, None] & (d[None, :] > depth[:, None]), col.gather(1, depth[:, None]), col)
+    d = torch.arange(st.U, device=pos.device)[None, :].expand(R, st.U)
+    page = st.table[req, depth, pos][:, None].expand(R, st.U)
+    col = torch.where(stop[:, None] & (d > depth[:, None]), pos[:, None], st.n_keys)
+    st.table.index_put_((req[:, None].expand(R, st.U), d, col), page)
 
 
 def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits):
@@ -176,21 +264,27 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
     id) or that position has no pages yet; until then it holds the token. The others go idle."""
     req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
     pend = torch.where(emit, tok, st.pend[:R])
-    st.ntok.index_add_(0, req, emit.long())
-    at_end = emit & ((st.ntok[req] >= st.max_tok[req]) | (st.stop_ids[req] == tok[:, None]).any(1))
-    st.ended.logical_or_(torch.zeros_like(st.ntok).index_add_(0, req, at_end.long()) > 0)
-    in_flight = torch.zeros_like(st.ntok).index_add_(0, req, runs_on.long())
+    # Per request slot, over its rows: tokens emitted, whether one is a stop id, whether a row runs on.
+    # A one-hot [S+1, R] compare and one fused reduction (an index_add_ lowers to a sort on CUDA).
+    stop_id = emit & (st.stop_ids[req] == tok[:, None]).any(1)
+    mine = req[None, :] == torch.arange(st.S + 1, device=req.device)[:, None]
+    emitted = (mine & emit[None, :]).sum(1)
+    st.ntok += emitted
+    st.ended |= (mine & stop_id[None, :]).any(1) | ((emitted > 0) & (st.ntok >= st.max_tok))
+    in_flight = (mine & runs_on[None, :]).any(1)
     waits = (stop | st.hold[:R]) & (pend >= 0)
     ended = st.ended[req]
-    go = waits & (in_flight[req] == 0) & ~ended & (pos < st.horizon[req])
+    go = waits & ~in_flight[req] & ~ended & (pos < st.horizon[req])
     hold = waits & ~go & ~ended
     idle = ~runs_on & ~go & ~hold
-    entry = torch.stack([req, pos, torch.where(st.active[:R], depth + 1, 0), torch.where(newly, depth + 1, 0),
-                         torch.where(emit, tok, -1), stop.long(), go.long()])
-    at = st.t % st.log.shape[0]
-    st.log[:, :, :R].index_copy_(0, at, entry[None])
+    rows = torch.arange(R, device=req.device)
+    at = (st.t % st.log_len).expand(R)
+    entry = dict(req=req, pos=pos, depth=torch.where(st.active[:R], depth + 1, 0),
+                 exit=torch.where(newly, depth + 1, 0), tok=torch.where(emit, tok, -1), stop=stop.long(), go=go.long())
+    for buf, name in zip(st.log, LOG):       # a tensor a field: each store joins the kernel that computes it
+        buf.index_put_((at, rows), entry[name])
     if st.logits is not None and logits is not None:
-        st.logits[:, :R].index_copy_(0, at, logits[None])
+        st.logits.index_put_((at, rows), logits)
     st.t += 1
     new = dict(tok=torch.where(go, pend, st.tok[:R]), pos=pos + go.long(),
                depth=torch.where(go, 0, depth + runs_on.long()),
@@ -204,21 +298,31 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
         getattr(st, name)[:R] = value
 
 
-PLAIN = SimpleNamespace(start=start_rows, before=Layer.before_attention, after=Layer.after_attention,
-                        finish=finish_rows)
+_compiled = None
 
 
-def compiled_phases():
-    """The pass's phases compiled by torch.compile (Inductor): each fuses its pointwise work (norms,
-    RoPE, SwiGLU, residuals, the exit maths) into a few kernels. A layer's halves take the layer as an
-    argument, so one compiled graph serves every layer; the paged attention stays outside. Shapes are
-    left to Dynamo (a second bucket recompiles a phase once, shape-generic), so that buckets cost few
-    compilations; each bucket is then captured as a graph of its own."""
+def compiled_pass():
+    """run_pass compiled whole by torch.compile (Inductor), once per process: a layer's norms, RoPE,
+    K/V page writes, SwiGLU and residuals fuse into a few kernels around its four GEMMs (the model's
+    stacked projections) and the paged attention (kernels.flash_decode_table, an operator inside the
+    graph), the last norm of a layer with the first of the next, the exit maths and the per-request
+    counters into a few more (bench.py --what=gpu counts them). The row count is dynamic from the
+    start, so that a kind of pass (head, sampling) compiles once for every bucket; each bucket is
+    then captured as a CUDA graph of its own."""
+    global _compiled
+    if _compiled is None:
+        allow_recompiles()
+        _compiled = torch.compile(run_pass, dynamic=True)
+    return _compiled
+
+
+def allow_recompiles(n=64):
+    """Let one compiled function hold n graphs (kinds of pass: head or not, each sampling), not
+    Dynamo's default 8, past which it would silently run the function uncompiled."""
     import torch._dynamo
-    for key in ("recompile_limit", "cache_size_limit"):     # kinds of pass: head or not, sampling or not
+    for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, 64)
-    return SimpleNamespace(**{k: torch.compile(f) for k, f in vars(PLAIN).items()})
+            setattr(torch._dynamo.config, key, n)
 
 
 # ----------------------------------------------------------------------------- graphs of passes
@@ -237,6 +341,12 @@ class Graphs:
         if key not in self.graphs:
             self.graphs[key] = self.capture(run)
         self.graphs[key].replay()
+
+    def capture_all(self, keys, make):
+        """A graph for each key, captured now: make(*key) gives the function it records."""
+        for key in keys:
+            if key not in self.graphs:
+                self.graphs[key] = self.capture(make(*key))
 
     def capture(self, run, warmup=2):
         saved = [b.clone() for b in self.buffers()]

@@ -202,34 +202,47 @@ def test_the_fixed_batch_runs_on_a_checkpoint_too_short_for_the_queue(tmp_path, 
     assert all(r["tokens_agree_with_ouro_way"] == 1.0 for r in out["runs"] if r["mode"] == "fixed")
 
 
-def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys):
+def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
     """`bench.py --what=gpu` at the tiny shape on a CPU, where the graphed configurations run their
     graph-ready code without graphs: every configuration and field of the GPU run's JSON (also
-    written to --out), the graph-ready Ouro way gives fixed@U's greedy tokens in as many passes and
-    one head call a token, the ratios and the ceiling add up; the gate is set to its target depth."""
+    written to --out), in the fixed batch and in the queue; the graph-ready Ouro way gives fixed@U's
+    greedy tokens in as many passes and one head call a token, the ratios, the ceiling and the
+    efficiency add up; the gate is set to its target depth. (Inductor's counts: test_slots.py.)"""
     import bench_gpu
     from model import threshold_exit
+    monkeypatch.setattr(bench_gpu, "kernel_counts", lambda shape: {
+        "rows": 2, "gemms_per_layer": 4, "launches_per_layer": 9, "layer": {"kernel": 4, "gemm": 4, "op": 1},
+        "launches_per_pass": 9, "finish_rows_launches": 14})
     out_file = tmp_path / "gpu.json"
     bench.main(["--what=gpu", "--gpu_shape=tiny", "--batches=1,2", f"--out={out_file}"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(out_file.read_text()) == out
-    runs = {(r["batch"], r["mode"], r["graph_ready"]): r for r in out["runs"]}
-    assert set(runs) == {(b, m, g) for b in (1, 2) for m in ("ouro_way", "fixed", "dense_ragged", "ete_ragged")
-                         for g in (True, False)}
+    runs = {(r["workload"], r["batch"], r["mode"], r["graph_ready"]): r for r in out["runs"]}
+    assert set(runs) == {("batch", b, m, g) for b in (1, 2) for m in ("ouro_way", "fixed", "dense_ragged", "ete_ragged")
+                         for g in (True, False)} | {("queue", b, m, True) for b in (1, 2)
+                                                    for m in ("fixed", "dense_ragged", "ete_ragged")}
     U, N = 4, bench_gpu.N_NEW
     t_w, t_h = out["block_bytes"] / out["bandwidth"], out["head_bytes"] / out["bandwidth"]
-    for (b, mode, ready), r in runs.items():
+    for (work, b, mode, ready), r in runs.items():
         assert r["graphs"] is False and r["tok_s"] > 0
-        for key in ("ceiling_fraction", "x_fixed_graphed", "x_ouro_way_graphed", "x_ouro_way_eager", "pass_ms"):
+        for key in ("ceiling_fraction", "x_fixed_graphed", "pass_ms", "efficiency") + (
+                ("x_ouro_way_graphed", "x_ouro_way_eager") if work == "batch" else ()):
             assert r[key] > 0, key
         ceiling = b / (U * t_w + t_h) if mode in ("fixed", "ouro_way") else b / (r["avg_decode_depth"] * (t_w + t_h))
         assert abs(r["ceiling_tok_s"] - ceiling) <= 0.05 + 1e-3 * ceiling
-        assert abs(r["tok_s"] / ceiling / r["ceiling_fraction"] - 1) < 1e-2
+        assert abs(r["tokens"] / r["seconds"] / ceiling / r["ceiling_fraction"] - 1) < 1e-2
+        assert abs((r["passes"] * t_w + r["head_calls"] * t_h) / r["seconds"] / r["efficiency"] - 1) < 1e-2
+        assert r["sum_exits"] >= r["passes"] and (mode != "fixed" or r["sum_exits"] % U == 0)
     for b in (1, 2):
-        fixed, lanes = runs[b, "fixed", True], runs[b, "ouro_way", True]
+        fixed, lanes = runs["batch", b, "fixed", True], runs["batch", b, "ouro_way", True]
         assert fixed["x_fixed_graphed"] == lanes["x_ouro_way_graphed"] == 1
         assert fixed["passes"] == lanes["passes"] == U * N and fixed["head_calls"] == N
+        queue = runs["queue", b, "fixed", True]
+        assert queue["tokens"] > b * 8 and queue["passes"] == U * queue["head_calls"]
     assert [c["agree"] for c in out["checks"]] == [1.0, 1.0]
+    for b in ("1", "2"):
+        h = out["counts"]["host"][b]
+        assert h["h2d_per_steady_step"] <= 1 and h["passes_launched"] <= h["passes_with_rows"] + 1
     prompts = torch.randint(0, 512, (4, bench_gpu.N_PROMPT)).tolist()
     model = bench_gpu.ouro_shape_model("tiny", "cpu", int(torch.randint(0, 1000, ())), prompts)
     gates = model(torch.tensor(prompts))["gate_logits"]

@@ -241,6 +241,18 @@ def test_sample_tokens_equals_sample_token(dtype):
         assert batch.tolist() == one
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sampling_without_a_sort_draws_the_sorting_samplers_tokens(dtype):
+    """Where no row asks for top-k or top-p (a pass's "gumbel" kind), the Gumbel-max over the whole
+    vocabulary without the sort draws the same token as the sorting sampler, for every (seed,
+    position), greedy rows included."""
+    for V in (2, 37, 1000, 50257):
+        logits, temperature, _, _, seed, pos = random_sampling(16, V, dtype)
+        top_k, top_p = torch.zeros(16, dtype=torch.long), torch.ones(16, dtype=dtype)
+        sorted_ = sample_tokens(logits, temperature, top_k, top_p, seed, pos)
+        assert sample_tokens(logits, temperature, top_k, top_p, seed, pos, nucleus=False).tolist() == sorted_.tolist()
+
+
 def test_sample_tokens_is_the_same_whatever_else_is_batched():
     """A row's token depends on its logits, its request's seed and its position only: alone, or
     among other rows in any order and number, it draws the same token, for every position."""

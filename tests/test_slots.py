@@ -17,7 +17,7 @@ from ragged import PagePool
 from request import Request
 from serve_depthbatch import Engine
 from slot_engine import SlotEngine, engine_for
-from slot_pass import Slots, bucket, run_pass
+from slot_pass import SAMPLING, Graphs, Slots, bucket, run_pass, sampling_kind
 
 
 def mixed_requests(rng, n, fixed_depth=None):
@@ -48,7 +48,7 @@ def assert_equal_runs(a, b, pages=True):
         if x.finish_reason != "cancelled":
             keys = ("physical", "logical", "dense") + (("block_evals",) if pages else ())
             assert {k: x.kv[k] for k in keys} == {k: y.kv[k] for k in keys}
-            assert x.kv["physical"] == sum(x.exits) or x.mode in ("ouro", "dense_ragged")   # Σ e_i (full rows: U)
+            assert x.kv["physical"] == sum(x.exits) or x.mode not in ("fixed", "ete_ragged")   # Σ e_i
 
 
 @pytest.mark.parametrize("scheduler,sync_every,staggered", [("continuous", 1, True), ("continuous", 8, False),
@@ -139,9 +139,9 @@ def test_the_pass_compiles_to_one_graph_and_does_not_recompile():
     compiled = torch.compile(run_pass, fullgraph=True, dynamic=False, backend=backend)
     kinds = set()
 
-    def counted(model_, st, R, attn, n_keys, n_splits, head, sampling, phases):
+    def counted(model_, st, R, attn, n_keys, n_splits, head, sampling):
         kinds.add((R, n_keys, head, sampling))
-        return compiled(model_, st, R, attn, n_keys, n_splits, head, sampling, phases)
+        return compiled(model_, st, R, attn, n_keys, n_splits, head, sampling)
     s = SlotEngine(model, 4000, max_batch=5, keep_logits=True)
     try:
         slot_engine.run_pass = counted
@@ -153,8 +153,119 @@ def test_the_pass_compiles_to_one_graph_and_does_not_recompile():
     assert len(graphs) == len(kinds) and s.stats["passes"] > 3 * len(kinds)
 
 
+def every_mode_requests(rng, n):
+    """mixed_requests, and the Table 17 modes, which the eager Engine alone runs."""
+    reqs = mixed_requests(rng, n)
+    for mode in ("last_kv", "shared_kv", "collapse_kv"):
+        reqs.append(Request(prompt(rng.randint(3, 14)), rng.randint(1, 10), mode, rng.choice([0.3, 0.5]),
+                            keep_logits=True))
+    return reqs
+
+
+def test_stacked_projections_equal_the_separate_ones(monkeypatch):
+    """Four GEMMs a layer (q/k/v and gate/up stacked: LoopedLM.fuse_projections, which the slot engine
+    calls) against seven, float64: the dense forward's logits and exits, and each engine's tokens,
+    exits, logits and pages in every mode; the checkpoint's tensors and names stay as they were."""
+    rng = random.Random(int(torch.randint(0, 2**31, ())))
+    model = varied_model()
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    apart = random_model_like(model)
+    model.fuse_projections()
+    assert model.state_dict().keys() == keys.keys()
+    assert all(torch.equal(v, keys[k]) for k, v in model.state_dict().items())
+    ids = torch.tensor([prompt(20)])
+    with torch.inference_mode():
+        seven, four = apart(ids, keep_logits=True), model(ids, keep_logits=True)
+    for a, b in zip(seven["logits"], four["logits"]):
+        assert torch.allclose(a, b, atol=1e-12, rtol=0)
+    assert torch.equal(seven["gate_logits"].argmax(-1), four["gate_logits"].argmax(-1))
+    reqs = every_mode_requests(rng, 6)
+    graph_ready = [r for r in reqs if r.mode in ("fixed", "ouro", "dense_ragged", "ete_ragged")]
+    fused = [drive(Engine(model, 4000, max_batch=3, max_rows=24), [clone(r) for r in reqs]),
+             drive(SlotEngine(model, 4000, max_batch=3, max_rows=24, keep_logits=True),
+                   [clone(r) for r in graph_ready])]
+    monkeypatch.setattr(LoopedLM, "fuse_projections", lambda self: self)
+    separate = [drive(Engine(apart, 4000, max_batch=3, max_rows=24), [clone(r) for r in reqs]),
+                drive(SlotEngine(apart, 4000, max_batch=3, max_rows=24, keep_logits=True),
+                      [clone(r) for r in graph_ready])]
+    assert apart.layers[0].self_attn.qkv_weight is None and model.layers[0].self_attn.qkv_weight is not None
+    for a, b in zip(fused, separate):
+        assert_equal_runs(a, b)
+
+
+def random_model_like(model):
+    """A model with the same weights, its projections separate."""
+    other = LoopedLM(model.config).double().eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def test_a_pass_samples_with_the_cheapest_draw_that_serves_every_request():
+    greedy, plain, nucleus = Request([1], temperature=0.0), Request([1], temperature=0.8), Request([1], 2, top_p=0.9)
+    nucleus.temperature = 1.0
+    assert sampling_kind([greedy]) == "greedy" and sampling_kind([greedy, plain]) == "gumbel"
+    assert sampling_kind([plain, nucleus]) == "nucleus" and sampling_kind([Request([1], top_k=5)]) == "greedy"
+
+
+def test_the_pass_is_as_lean_as_counted():
+    """The counts of bench.py --what=gpu, kept at their values or below, so that a change that adds a
+    kernel, a copy or a sync fails: from Inductor's own scheduling of the compiled pass on its Triton
+    backend (what CUDA runs), 4 GEMMs and at most 9 launches a layer (the paged attention included),
+    at most 15 in finish_rows; from the host's traffic in a steady decode step, at most one copy to
+    the device and one sync (the log read, one step late); no pass launched without a row in it (one
+    allowed at the very end)."""
+    import bench_gpu
+    k = bench_gpu.kernel_counts("tiny")
+    assert k["gemms_per_layer"] == 4 and k["layer"]["op"] == 1 and k["launches_per_layer"] <= 9, k
+    assert k["finish_rows_launches"] <= 15, k
+    for B in (1, 4):
+        for mode in ("ete_ragged", "dense_ragged", "fixed"):
+            h = bench_gpu.host_counts(bench_gpu.ouro_shape_model("tiny", "cpu", B, [prompt(8)]), B, mode)
+            assert h["steady_steps"] > 0 and h["h2d_per_steady_step"] <= 1 and h["syncs_per_steady_step"] <= 1, h
+            assert h["passes_launched"] <= h["passes_with_rows"] + 1, (mode, h)
+
+
+def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch):
+    """With graphs (a stand-in for CUDA graphs here, which replays what it captured), the engine captures
+    every bucket of rows, for each wave its scheduler runs and each sampling kind, when it starts:
+    serving mixed requests then captures nothing more (no first use stalls a server), and gives the
+    Engine's results, compacting its rows while passes are still unread."""
+    class Replay:
+        def __init__(self, run):
+            self.replay = run
+    monkeypatch.setattr(Graphs, "capture", lambda self, run: Replay(run))
+    pending_compactions = 0
+    choose = SlotEngine._choose_bucket
+
+    def counted(self, due=False):
+        nonlocal pending_compactions
+        choose(self, due)
+        pending_compactions += self._perm is not None and self.ticket is not None
+    monkeypatch.setattr(SlotEngine, "_choose_bucket", counted)
+    for scheduler, batch, staggered in (("continuous", 4, True), ("fixed", 4, True), ("continuous", 8, False)):
+        rng = random.Random(int(torch.randint(0, 2**31, ())))
+        model = varied_model()
+        s = SlotEngine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler, graphs=True, keep_logits=True)
+        buckets = {bucket(n, s.slots.R) for n in range(1, s.slots.R + 1)}
+        assert len(s.graphs.graphs) == len(buckets) * len(SAMPLING) * (U if scheduler == "fixed" else 1)
+        at_start = set(s.graphs.graphs)
+        reqs = mixed_requests(rng, 8, rng.randint(1, U) if scheduler == "fixed" else None)
+        if not staggered:               # all at once, ending one by one: rows go idle while passes run unread
+            reqs = [Request(prompt(rng.randint(3, 14)), 2 + 3 * i, rng.choice(["ete_ragged", "dense_ragged"]),
+                            rng.choice([0.2, 0.5]), keep_logits=True) for i in range(8)]
+        if staggered:
+            b = drive(s, [clone(r) for r in reqs], sorted(rng.randint(0, 12) for _ in reqs))
+        else:                           # no check() between steps: it would read the passes left unread
+            b = s.run([clone(r) for r in reqs])
+            assert s.pool.used == 0
+        assert set(s.graphs.graphs) == at_start
+        a = drive(Engine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler), [clone(r) for r in reqs])
+        assert_equal_runs(a, b)
+    assert pending_compactions > 0
+
+
 def test_buckets_and_what_the_slot_engine_leaves_to_the_engine():
-    assert [bucket(n, 48) for n in (1, 2, 3, 5, 8, 9, 33, 48)] == [1, 2, 4, 8, 8, 16, 48, 48]
+    assert [bucket(n, 48) for n in (1, 2, 3, 5, 8, 9, 33, 48)] == [2, 2, 4, 8, 8, 16, 48, 48]
     model = varied_model(1)
     assert type(engine_for(model, 500)) is Engine                        # the CPU: the eager engine
     assert type(engine_for(model, 500, engine="slots")) is SlotEngine
