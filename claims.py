@@ -226,7 +226,7 @@ def flat_beta_claims(R, seeds):
     collapse cannot say the collapse does not happen at the paper's: "not reproduced at this scale"."""
     out = []
     for scope in ("global", "local"):
-        flat, sched = R.get(f"syn-{scope}-poisson-flatbeta"), R.get(f"syn-{scope}-poisson-s{seeds[0]}")
+        flat, sched = R.get(f"syn-{scope}-poisson-s{seeds[0]}-flatbeta"), R.get(f"syn-{scope}-poisson-s{seeds[0]}")
         if not (flat and sched):
             continue
         ff, fs = flat["final"], sched["final"]
@@ -405,7 +405,8 @@ def deepest(suite):
 
 
 def graded_runs(R, scope):
-    return [r for n, r in sorted(R.items()) if n.startswith(f"grd-{scope}-poisson-s") and r.get("builtin")]
+    return [r for n, r in sorted(R.items()) if n.startswith(f"grd-{scope}-poisson-s") and not r.get("parent")
+            and r.get("builtin")]
 
 
 def graded_claims(R):
@@ -454,8 +455,9 @@ def graded_tables(R):
     item, each with its interval), and accuracy against compute for every fixed depth and
     threshold, local and global, and after ragged-aware training. [] without graded runs."""
     models = [(s, graded_runs(R, s)) for s in ("local", "global")]
-    models += [(f"{s} {kind}", [R[f"grd-{s}-poisson-{kind}"]]) for s in ("local", "global")
-               for kind in ("ra-direct", "cont-dense") if R.get(f"grd-{s}-poisson-{kind}", {}).get("builtin")]
+    models += [(f"{s} {kind}", [r for n, r in sorted(R.items()) if n.startswith(f"grd-{s}-poisson-s")
+                                and n.endswith(kind) and r.get("builtin")]) for s in ("local", "global")
+               for kind in ("ra-direct", "cont-dense")]
     models = [(m, [r["builtin"] for r in rs]) for m, rs in models if rs]
     if not models:
         return []

@@ -58,7 +58,7 @@ DEFAULTS = dict(
     full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
     out="",                # runs, RESULTS.md, figures/ ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
-    seeds=2,               # seeds of the local/global Poisson pair (the rest of the grid: the first)
+    seeds=3,               # seeds of the Poisson pairs (pointer, uniform: the first two; the rest: the first)
     seed=1337,             # the first seed
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
@@ -73,7 +73,7 @@ SIZES = {
                         "--batch_size=8", "--max_iters=16", "--eval_interval=16", "--eval_iters=2", "--warmup_iters=4",
                         "--log_interval=4"], branch_iters=6, synthetic_chars=120_000, pointer_items=2,
                   data_args={"pointer": ["--block_size=64"]},   # a k = 4 pointer item's prompt is 53 characters
-                  task_seeds=1, windows=16),
+                  task_seeds=1, branch_seeds=1, windows=16),
     "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250",
                        "--eval_iters=10", "--warmup_iters=100", "--log_interval=25"],
                  branch_iters=500, synthetic_chars=5_000_000, pointer_items=50,
@@ -84,6 +84,7 @@ SIZES = {
                                      "--learning_rate=1.5e-3", "--max_iters=3000", "--lr_decay_start=2000",
                                      "--eval_interval=500"]},
                  task_seeds=5,    # seeds of each graded-task run
+                 branch_seeds=3,  # parents of the ragged-aware branches and of flat β: the first seeds
                  windows=160),    # held-out windows per run that the claims' intervals resample
 }
 SIZES["full"]["data_args"]["graded"] = SIZES["full"]["data_args"]["hops"]   # the hops model: a look-up a loop
@@ -96,50 +97,50 @@ def size_of(c):
 
 
 def grid(c):
-    """Every run: name -> dict(data, args for train.py, parent)."""
+    """Every run: name -> dict(data, args for train.py, parent). The Poisson pairs and the graded runs
+    have several seeds; the ragged-aware branches (and their dense control) and flat β are run from
+    each of the first `branch_seeds` seeds' runs, so that no verdict rests on one trained model."""
     seeds = [c["seed"] + i for i in range(c["seeds"])]
+    size = SIZES[size_of(c)]
+    parents = seeds[:size["branch_seeds"]]
+    kl = lambda scope: ["--global_kl"] if scope == "global" else []
     runs = {}
+
+    def branches(prefix, data, scope, methods, **spec):
+        for seed in parents:
+            base = dict(data=data, scope=scope, prior="poisson", seed=seed, parent=f"{prefix}-{scope}-poisson-s{seed}",
+                        **spec)
+            # the control: the same continuation with the dense objective, to tell RA from more training
+            runs[f"{prefix}-{scope}-poisson-s{seed}-cont-dense"] = dict(
+                base, args=["--prior=poisson", f"--seed={seed}"] + kl(scope))
+            for method, extra in methods:
+                ra = "reinforce" if method == "reinforce4" else method
+                runs[f"{prefix}-{scope}-poisson-s{seed}-ra-{method}"] = dict(
+                    base, ra=method, args=["--prior=poisson", f"--seed={seed}", "--ragged_aware", f"--ra_method={ra}"]
+                    + extra + kl(scope))
     for scope in ("local", "global"):
         for prior in ("uniform", "geometric", "poisson"):
             for seed in (seeds if prior == "poisson" else seeds[:1]):
                 runs[f"syn-{scope}-{prior}-s{seed}"] = dict(data="synthetic", scope=scope, prior=prior, seed=seed,
-                                                            args=[f"--prior={prior}", f"--seed={seed}"]
-                                                            + (["--global_kl"] if scope == "global" else []))
-        # the control: the same continuation with the dense objective, to tell RA from more training
-        runs[f"syn-{scope}-poisson-cont-dense"] = dict(
-            data="synthetic", scope=scope, prior="poisson", seed=seeds[0], parent=f"syn-{scope}-poisson-s{seeds[0]}",
-            args=["--prior=poisson", f"--seed={seeds[0]}"] + (["--global_kl"] if scope == "global" else []))
-        for method, extra in (("direct", []), ("counterfactual", []), ("reinforce4", ["--reinforce_k=4"])):
-            ra = "reinforce" if method == "reinforce4" else method
-            runs[f"syn-{scope}-poisson-ra-{method}"] = dict(
-                data="synthetic", scope=scope, prior="poisson", seed=seeds[0], ra=method,
-                parent=f"syn-{scope}-poisson-s{seeds[0]}",
-                args=["--prior=poisson", f"--seed={seeds[0]}", "--ragged_aware", f"--ra_method={ra}"] + extra
-                + (["--global_kl"] if scope == "global" else []))
+                                                            args=[f"--prior={prior}", f"--seed={seed}"] + kl(scope))
+        branches("syn", "synthetic", scope,
+                 [("direct", []), ("counterfactual", []), ("reinforce4", ["--reinforce_k=4"])])
         runs[f"shk-{scope}-poisson"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seeds[0],
-                                            args=["--prior=poisson", f"--seed={seeds[0]}"]
-                                            + (["--global_kl"] if scope == "global" else []))
+                                            args=["--prior=poisson", f"--seed={seeds[0]}"] + kl(scope))
         for data, (prefix, _) in POINTER_TASKS.items():
-            task_seeds = [c["seed"] + i for i in range(SIZES[size_of(c)]["task_seeds"])] if data == "graded" else seeds
+            graded = [c["seed"] + i for i in range(size["task_seeds"])]
+            task_seeds = {"graded": graded, "hops": seeds}.get(data, seeds[:2])
             for prior in TASK_PRIORS[data]:
-                for seed in task_seeds:
+                for seed in (task_seeds if prior == "poisson" else seeds[:2]):
                     runs[f"{prefix}-{scope}-{prior}-s{seed}"] = dict(
                         data=data, scope=scope, prior=prior, seed=seed, max_k=MAX_K[data],
-                        args=[f"--prior={prior}", f"--seed={seed}"] + (["--global_kl"] if scope == "global" else []))
-        # ragged-aware training on the hops and graded tasks, and its control (the same continuation, dense)
-        for data in ("hops", "graded"):
-            prefix = POINTER_TASKS[data][0]
-            for name, extra in (("ra-direct", ["--ragged_aware", "--ra_method=direct"]), ("cont-dense", [])):
-                runs[f"{prefix}-{scope}-poisson-{name}"] = dict(
-                    data=data, scope=scope, prior="poisson", seed=seeds[0], max_k=MAX_K[data],
-                    parent=f"{prefix}-{scope}-poisson-s{seeds[0]}", **({"ra": "direct"} if extra else {}),
-                    args=["--prior=poisson", f"--seed={seeds[0]}"] + extra
-                    + (["--global_kl"] if scope == "global" else []))
-    for scope in ("global", "local"):     # Figure 7's flat β: the paper's runs use Ouro's local objective
-        runs[f"syn-{scope}-poisson-flatbeta"] = dict(
-            data="synthetic", scope=scope, prior="poisson", seed=seeds[0], beta=0.1,
-            args=["--prior=poisson", f"--seed={seeds[0]}", "--beta=0.1"] + (["--global_kl"] if scope == "global"
-                                                                             else []))
+                        args=[f"--prior={prior}", f"--seed={seed}"] + kl(scope))
+        for data in ("hops", "graded"):           # ragged-aware training on the look-up tasks, and its control
+            branches(POINTER_TASKS[data][0], data, scope, [("direct", [])], max_k=MAX_K[data])
+        for seed in parents:                  # Figure 7's flat β (the paper's runs use Ouro's local objective)
+            runs[f"syn-{scope}-poisson-s{seed}-flatbeta"] = dict(
+                data="synthetic", scope=scope, prior="poisson", seed=seed, beta=0.1,
+                args=["--prior=poisson", f"--seed={seed}", "--beta=0.1"] + kl(scope))
     return runs
 
 
@@ -207,8 +208,11 @@ def run_one(name, spec, c, size, runs):
             before = json.load(f)
         result["earlier"] = before.get("earlier", []) + [{k: before[k] for k in ("final", "provenance") if k in before}]
     if spec["data"] in POINTER_TASKS:
-        result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"],
-                                             len(evals[-1]["val_loss_fixed"]))
+        U = len(evals[-1]["val_loss_fixed"])
+        result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"], U)
+        if spec["data"] == "graded":    # the depth each k needs, on items held apart from those that judge the exits
+            result["builtin_need"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"], U,
+                                                      seed=NEED_SEED)
     write_json(result_path, result)
     if os.path.isfile(earlier):
         os.remove(earlier)
@@ -230,15 +234,20 @@ def provenance():
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
 
 
-def builtin_by_depth(folder, kind, max_k, per_level, U):
-    """The builtin suite of a look-up task (eval.py --builtin=kind, k = 1..max_k), greedy: accuracy
-    and the answer's exit depth per k at fixed@1..U and ETE-Ragged at each τ of THRS. Returns
-    {mode: {k: {items, acc, answer_depth}}}."""
-    modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"ete_ragged@{t}" for t in THRS])
+NEED_SEED = 4321      # the graded suite that estimates each k's needed depth (eval.py's default seed judges)
+
+
+def builtin_by_depth(folder, kind, max_k, per_level, U, seed=None):
+    """The builtin suite of a look-up task (eval.py --builtin=kind, k = 1..max_k; seed: another draw of
+    items than eval.py's default), greedy: accuracy and the answer's exit depth per k at fixed@1..U and
+    ETE- and Dense-Ragged at each τ of THRS. Returns {mode: {k: {items, acc, answer_depth}}}."""
+    modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"{m}@{t}" for m in ("ete_ragged", "dense_ragged")
+                                                                for t in THRS])
     with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
         runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_max_k={max_k}",
                                 f"--builtin_items={per_level}", f"--modes={modes}",
-                                "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"])
+                                "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"]
+                               + ([f"--seed={seed}"] if seed is not None else []))
     return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
 

@@ -67,19 +67,30 @@ def _digit_sum(rng, max_k=4):
     return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
 
 
-def _chains(rng, lengths, alphabet):
+def _chains(rng, lengths, alphabet, rounds=False):
     """Chains of the given lengths (head -> ... -> the name that holds a digit) and their facts
-    [(name, value)] in the order written: all the pointers first, the chains interleaved, each head
-    first (so that every fact names a variable defined *later*), then every chain's digit in a
-    random order, so that the answer's place among the digits says nothing. With one length for all
-    chains nothing but following the queried one tells its digit from the others'; with the lengths
-    1..4 in every item (_graded) the item looks the same whichever chain is queried. Returns chains,
-    digits, facts."""
+    [(name, value)] in the order written, every fact naming a variable defined *later*, so that a
+    look-up cannot start before the query is read. rounds=False: all the pointers first, the chains
+    interleaved, each head first, then every chain's digit in a random order (the answer's place among
+    the digits says nothing); with chains of one length (pointer, hops) nothing but following the
+    queried one tells its digit from the others'. rounds=True (graded, chains of different lengths):
+    in rounds, the r-th fact of every chain that has one, in a random order within each round, so that
+    where a fact stands says no more about its chain's length than the look-ups that led to it (a
+    head, written first among its chain's facts, would otherwise stand earlier the longer its chain:
+    tests/test_eval.py checks it). Returns chains, digits, facts."""
     names = iter(rng.sample(alphabet, sum(lengths)))
     chains = [[next(names) for _ in range(k)] for k in lengths]
-    pointers = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] for vs in chains]
     digits = [rng.choice("0123456789") for _ in chains]
-    values = [(vs[-1], d) for vs, d in zip(chains, digits)]
+    facts = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] + [(vs[-1], d)] for vs, d in zip(chains, digits)]
+    if rounds:
+        written = []
+        for r in range(max(lengths)):
+            this = [f[r] for f in facts if len(f) > r]
+            rng.shuffle(this)
+            written += this
+        return chains, digits, written
+    pointers = [f[:-1] for f in facts]
+    values = [f[-1] for f in facts]
     order = [i for i, c in enumerate(pointers) for _ in c]
     rng.shuffle(order)
     rng.shuffle(values)
@@ -118,12 +129,14 @@ def _hops(rng, max_k=4):
 def _graded(rng, max_k=4):
     """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of an
     item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the same
-    kinds, and two queries of different chains, each labelled with its chain's length
-    (`hn nl pg ld ae ei i3 m5 d8 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Which k a query has is
-    known only by following its chain: its head looks like every other head. Two queries of four
-    chains, so that no answer can be told by elimination."""
+    kinds, written in rounds (_chains): first every chain's head, then every second fact, and so on
+    (`hn m5 ae pg nl ei d8 ld i3 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Two queries of
+    different chains, each labelled with its chain's length. A query's k is known only by following
+    its chain: its head stands among the others' at a place that says nothing of k, and each step
+    tells only whether the chain has ended. Two queries of four chains, so that no answer can be told
+    by elimination."""
     lengths = [1 + i % max_k for i in range(4)]
-    chains, digits, facts = _chains(rng, lengths, HOP_NAMES)
+    chains, digits, facts = _chains(rng, lengths, HOP_NAMES, rounds=True)
     item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
     for i in rng.sample(range(4), 2):
         item += [(" " + chains[i][0].upper(), 0), (digits[i], len(chains[i]))]

@@ -34,8 +34,8 @@ def hand_made():
             fake_run("syn-local-poisson-s2", "local", seed=2, jumps=0.004, rho=0.07),
             fake_run("syn-global-poisson-s1", jumps=0.19),
             fake_run("syn-global-poisson-s2", seed=2, jumps=0.21, rho=0.35),
-            fake_run("syn-global-poisson-ra-direct", ra="direct", parent="syn-global-poisson-s1", ragged=1.5),
-            fake_run("syn-global-poisson-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2,
+            fake_run("syn-global-poisson-s1-ra-direct", ra="direct", parent="syn-global-poisson-s1", ragged=1.5),
+            fake_run("syn-global-poisson-s1-flatbeta", beta=0.1, fractions=(0.9, 0.05, 0.03, 0.02), depth=1.2,
                      fixed=(2.0, 1.99, 1.98, 1.99)),
             fake_run("syn-global-uniform-s1", prior="uniform")]
 
@@ -211,7 +211,7 @@ def test_flat_beta_is_judged_on_the_windows_with_the_loop_shift_beside():
         sched["windows"] = windows(sched["final"]["val_loss_fixed"], 1.7, 2.0, seed)
         sched["final"]["loop_shift"] = [0.9, 0.3, 0.2, 0.1]
         for fixed, holds in (((2.0, 1.99, 1.98, 1.99), True), ((2.0, 1.8, 1.7, 1.7), None)):
-            flat = fake_run(f"syn-{scope}-poisson-flatbeta", scope, beta=0.1, fixed=fixed)
+            flat = fake_run(f"syn-{scope}-poisson-s1-flatbeta", scope, beta=0.1, fixed=fixed)
             flat["windows"] = windows(fixed, 1.9, 2.0, seed)
             flat["final"]["loop_shift"] = [0.9, 0.01, 0.01, 0.0]
             [claim] = claims.flat_beta_claims({r["name"]: r for r in (sched, flat)}, [1])
@@ -233,10 +233,10 @@ def test_verdicts_with_windows_follow_their_intervals():
     got = claims.frontier_claim(runs)
     assert "synthetic: 8 below, 4 within noise, 4 above" in got["numbers"] and got["holds"] is False
     parent = runs[2]
-    ra = fake_run("syn-global-poisson-ra-direct", ra="direct", parent=parent["name"],
+    ra = fake_run("syn-global-poisson-s1-ra-direct", ra="direct", parent=parent["name"],
                   windows=windows(fixed, 1.55, 2.0, seed))
     for control_loss, holds in ((1.6, True), (1.55, False)):
-        control = fake_run("syn-global-poisson-cont-dense", parent=parent["name"],
+        control = fake_run("syn-global-poisson-s1-cont-dense", parent=parent["name"],
                            windows=windows(fixed, control_loss, 2.0, seed))
         [claim] = claims.ra_claims({r["name"]: r for r in (parent, ra, control)})
         assert claim["holds"] is holds and "RA minus dense: " in claim["numbers"], claim
@@ -299,7 +299,7 @@ def test_table_and_figures_from_a_hand_made_results_file(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 46 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    assert len(results) == 50 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     for r in results:            # synthetic: every token of a window in one label, its depths summing to the mean
         assert ("labels" in r["windows"]) == (r["data"] == "synthetic")
         if r["data"] == "synthetic":
@@ -310,7 +310,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(reproduce.COLUMNS) + " |"
     assert "| claim | numbers | rule | holds here |" in text
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 46
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 50
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Graded task (hidden k): the answer's exit depth rises with k" in text and "RA minus dense: " in text
     for scope in ("global", "local"):       # flat β, judged on the windows, each loop's shift beside
@@ -320,7 +320,8 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
               "training_curves.png", "depth_by_difficulty.png", "graded_by_k.png", "exit_trace_graded.png"):
         assert os.path.getsize(os.path.join(out, "figures", f)) > 1000
     ptr = json.load(open(os.path.join(out, "ptr-global-poisson-s1338", "result.json")))
-    assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"ete_ragged@{t}" for t in reproduce.THRS}
+    assert set(ptr["builtin"]) == {f"fixed@{d}" for d in range(1, 5)} | {f"{m}@{t}" for t in reproduce.THRS
+                                                                          for m in ("ete_ragged", "dense_ragged")}
     assert set(ptr["final"]["difficulty_spearman_by_thr"]) == {str(t) for t in reproduce.THRS}   # the τ sweep
     assert all(set(b) == {"1", "2", "3", "4"} and all(v["items"] == 2 for v in b.values())
                for b in ptr["builtin"].values())
@@ -332,12 +333,14 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     assert "Hops task (one token a fact), Poisson: the answer's exit depth" in text
     assert hop["final"]["depth_by_difficulty"]["2"] is not None and hop["final"]["depth_by_difficulty"]["3"] is None
     assert all(set(b) == {"1", "2"} for b in hop["builtin"].values()) and hop["max_k"] == 2   # hops: k = 1, 2
-    branch = json.load(open(os.path.join(out, "syn-global-poisson-ra-direct", "result.json")))
+    branch = json.load(open(os.path.join(out, "syn-global-poisson-s1337-ra-direct", "result.json")))
     assert branch["parent"] == "syn-global-poisson-s1337" and branch["final"]["iter"] == 6
-    graded = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
+    parent = json.load(open(os.path.join(out, "grd-global-poisson-s1337", "result.json")))
+    assert set(parent["builtin_need"]) == set(parent["builtin"])      # the items that set each k's need, apart
+    graded = json.load(open(os.path.join(out, "grd-global-poisson-s1337-ra-direct", "result.json")))
     assert graded["parent"] == "grd-global-poisson-s1337" and graded["max_k"] == 4 and graded["ra"] == "direct"
     assert len(graded["builtin"]["ete_ragged@0.5"]["3"]["rollouts"]["correct"]) == 2     # 2 items per k
-    hop_ra = json.load(open(os.path.join(out, "hop-local-poisson-ra-direct", "result.json")))
+    hop_ra = json.load(open(os.path.join(out, "hop-local-poisson-s1337-ra-direct", "result.json")))
     assert hop_ra["parent"] == "hop-local-poisson-s1337" and hop_ra["max_k"] == 2 and hop_ra["ra"] == "direct"
     for scope in ("global", "local"):        # RA on the look-up tasks: against the dense continuation, answers beside
         assert f"Ragged-aware training (direct, {scope}, hops) lowers" in text
@@ -346,15 +349,15 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     reproduce.main(["--quick", f"--out={out}"])                 # every result exists: nothing is trained again
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
     del graded["windows"]                           # a result from before windows: its checkpoint gives them
-    with open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json"), "w") as f:
+    with open(os.path.join(out, "grd-global-poisson-s1337-ra-direct", "result.json"), "w") as f:
         json.dump(graded, f)
-    branch_path = os.path.join(out, "syn-global-poisson-ra-direct", "result.json")
+    branch_path = os.path.join(out, "syn-global-poisson-s1337-ra-direct", "result.json")
     labels = branch["windows"].pop("labels")        # and one from before windows held labels
     with open(branch_path, "w") as f:
         json.dump(branch, f)
     os.remove(os.path.join(out, "RESULTS.md"))
     reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
-    again = json.load(open(os.path.join(out, "grd-global-poisson-ra-direct", "result.json")))
+    again = json.load(open(os.path.join(out, "grd-global-poisson-s1337-ra-direct", "result.json")))
     assert len(again["windows"]["fixed"]) == 16 and json.load(open(branch_path))["windows"]["labels"] == labels
     assert os.path.isfile(os.path.join(out, "RESULTS.md"))
     assert os.path.getmtime(os.path.join(out, "syn-local-poisson-s1337", "result.json")) == stamp
