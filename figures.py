@@ -42,7 +42,7 @@ def draw(results, out, seeds):
 def figure_frontier(plt, R, pair, s0):
     """Figure 1: loss vs average depth, fixed depths against ragged thresholds."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r, s in pair + [(R.get("syn-global-poisson-ra-direct"), "global + RA direct")]:
+    for r, s in pair + [(R.get(f"syn-global-poisson-s{s0}-ra-direct"), "global + RA direct")]:
         if not r:
             continue
         f, col = r["final"], COLORS.get(s, "tab:green")
@@ -97,7 +97,7 @@ def figure_curves(plt, R, pair, s0):
     """Figure 5 (and 7): training curves, the ragged-aware branch and its dense control after the
     global parent, and the loss gain of loops 2..U over loop 1 (what a collapse to depth 1 removes)."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
-    runs = pair + [(R.get(f"syn-{s}-poisson-flatbeta"), f"{s}, flat β=0.1") for s in ("global", "local")]
+    runs = pair + [(R.get(f"syn-{s}-poisson-s{s0}-flatbeta"), f"{s}, flat β=0.1") for s in ("global", "local")]
     for r, s in runs:
         if not r:
             continue
@@ -111,7 +111,7 @@ def figure_curves(plt, R, pair, s0):
     parent = R.get(f"syn-global-poisson-s{s0}")
     branches = (("ra-direct", "-", "global + RA direct"), ("cont-dense", ":", "global, dense continuation"))
     for name, style, label in branches:
-        r = R.get(f"syn-global-poisson-{name}")
+        r = R.get(f"syn-global-poisson-s{s0}-{name}")
         if r and parent:      # a branch's tokens count from its parent's end
             start = parent["curve"][-1]["tokens"]
             a1.plot([start + p["tokens"] for p in r["curve"]], [p["val_loss_ragged"]["0.5"] for p in r["curve"]], style,
@@ -158,12 +158,13 @@ def figure_graded(plt, R, pair, s0):
 
 def compute_frontier(ax, R, runs, levels):
     """Accuracy against the loops spent on the whole item (Σ e), every k pooled: each fixed depth as
-    a curve per scope, ETE-Ragged at each τ as points, and after ragged-aware training (the
-    direct branch of the first seed). Seeds and items pooled; the intervals are in RESULTS.md."""
+    a curve per scope, ETE-Ragged at each τ as points, and after ragged-aware training (the direct
+    branches). Seeds and items pooled; the intervals are in RESULTS.md."""
     pool = lambda suites, mode, key: np.concatenate([rollouts(b, mode, k, key) for b in suites for k in levels])
     for s, suites in runs.items():
-        ra = R.get(f"grd-{s}-poisson-ra-direct")
-        for label, group, marker in ((s, suites, "o"), (f"{s} + RA", [ra["builtin"]] if ra else [], "*")):
+        ra = [r["builtin"] for n, r in sorted(R.items()) if n.startswith(f"grd-{s}-poisson-s")
+              and n.endswith("-ra-direct") and r.get("builtin")]
+        for label, group, marker in ((s, suites, "o"), (f"{s} + RA", ra, "*")):
             if not group:
                 continue
             spend = lambda mode: (pool(group, mode, "sum_exits").mean(), pool(group, mode, "correct").mean())

@@ -47,9 +47,10 @@ import eval as eval_suite
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from claims import MAX_K, POINTER_TASKS, TASK_PRIORS, THRS, claims, graded_tables
+from claims import MAX_K, POINTER_TASKS, TASK_PRIORS, THRS
 from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from figures import draw
+from report import write_results
 from model import forward_ragged
 from tokenizer import load_tokenizer
 
@@ -253,7 +254,8 @@ def builtin_by_depth(folder, kind, max_k, per_level, U, seed=None):
 
 def window_keys(spec):
     """What a run's windows hold (a result from before a key existed gets it from its checkpoint)."""
-    return {"fixed", "shift", "ragged", "depth"} | ({"labels"} if spec["data"] == "synthetic" else set())
+    labelled = {"labels", "label_correct"} if spec["data"] == "synthetic" else set()
+    return {"fixed", "shift", "ragged", "depth"} | labelled
 
 
 @torch.no_grad()
@@ -263,20 +265,26 @@ def window_losses(folder, data, n=160, batch=16, labels=False):
     at each fixed depth, how far each loop moves the state (relative), ETE-Ragged's mean loss and
     mean exit depth at each τ of THRS, and with labels (the synthetic data's per-token difficulty),
     per label 0..4 of the predicted token, how many tokens carry it and their exit depths summed
-    (τ 0.5). The look-up tasks' difficulty is read on their builtin items instead."""
+    (τ 0.5), and how many of them each fixed depth predicts right (label_correct: label, then depth).
+    The look-up tasks' difficulty is read on their builtin items instead."""
     model, _ = load_checkpoint(folder)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
     labels = np.fromfile(os.path.join(data, "val_labels.bin"), dtype=np.uint8).astype(np.int64) if labels else None
     T = model.config.block_size
     starts = np.random.default_rng(0).integers(0, len(val) - T - 1, n)
     out = {"fixed": [], "shift": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
-    out.update({"labels": []} if labels is not None else {})
+    out.update({"labels": [], "label_correct": []} if labels is not None else {})
     r = lambda xs: [round(float(v), 5) for v in xs]
     for i in range(0, n, batch):
         x = torch.tensor(np.stack([val[s:s + T] for s in starts[i:i + batch]]))
         y = torch.tensor(np.stack([val[s + 1:s + T + 1] for s in starts[i:i + batch]]))
-        dense = model(x, y, loop_shift=True)
+        dense = model(x, y, loop_shift=True, keep_logits=labels is not None)
         out["fixed"] += [r(w) for w in dense["losses"].float().mean(1)]            # (windows, U)
+        if labels is not None:                   # per label, the tokens each fixed depth predicts right
+            right = torch.stack([logits.argmax(-1) == y for logits in dense["logits"]], -1)      # (B, T, U)
+            for s, ok in zip(starts[i:i + batch], right.numpy()):
+                lab = labels[s + 1:s + T + 1]
+                out["label_correct"].append([ok[lab == k].sum(0).tolist() for k in range(5)])
         out["shift"] += [r(w) for w in dense["loop_shift"].mean(1)]
         for t in THRS:
             rag = forward_ragged(model, x, y, taus=t)
@@ -302,60 +310,6 @@ def exit_trace(folder, data, n=96, thr=0.5):
     decode = load_tokenizer(ckpt["meta"])[1]
     return {"tokens": [decode([i]) for i in ids[0, 1:].tolist()], "exits": exits,
             "labels": labels[start + 1:start + n + 1].tolist(), "thr": thr}
-
-
-# ----------------------------------------------------------------------------- RESULTS.md
-
-COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5/0.7", "depth@0.2/0.3/0.5/0.7",
-           "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4",
-           "Spearman"]
-
-
-def table_rows(results):
-    rows = []
-    for r in results:
-        f = r["final"]
-        obj = f"{r['scope']} KL, {r['prior']}" + (f", RA {r['ra']}" if r.get("ra") else "") + \
-              (", dense continuation" if r.get("parent") and not r.get("ra") else "") + \
-              (f", flat β={r['beta']}" if r.get("beta") else "")
-        fmt = lambda xs, p=3: " / ".join(f"{x:.{p}f}" for x in xs)
-        by = f.get("depth_by_difficulty")
-        by_k = fmt([by[str(k)] if by.get(str(k)) is not None else float("nan") for k in range(1, 5)], 2) if by else "–"
-        rho = f.get("difficulty_spearman")
-        rows.append([r["name"], r["data"], obj, str(r["seed"]), fmt(f["val_loss_fixed"]),
-                     fmt([f["val_loss_ragged"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)]),
-                     fmt([f["ragged_depth"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)], 2), f"{f['avg_exit_depth']:.2f}",
-                     fmt(f["exit_fractions"], 2), fmt(f["jump_rates"], 2), f"{100 * f['large_jump_rate']:.1f}%",
-                     f"{f['kl_global']:.4f}", by_k, "–" if rho is None else f"{rho:.3f}"])
-    return rows
-
-
-def write_results(results, c, size, seeds, figures):
-    lines = [f"# Reproducing the paper at CPU scale ({size})", "",
-             f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
-             f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
-             f"objective); the ragged-aware branch-offs continue from the finished Poisson runs for "
-             f"{SIZES[size]['branch_iters']} steps. Losses are validation cross-entropies (nats/token), ragged ones "
-             "ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged at τ = 0.5.", "",
-             "## The paper's claims, checked", "", "Each verdict follows its rule from the numbers beside it: 95% "
-             "bootstrap intervals draw the seeds, then the units of each (held-out windows or builtin items).", "",
-             "| claim | numbers | rule | holds here |", "|---|---|---|---|"]
-    for cl in claims(results, seeds):
-        verdict = {True: "yes", False: "**no**"}.get(cl["holds"]) or cl["verdict"]
-        lines.append(f"| {cl['claim']} | {cl['numbers']} | {cl['rule']} | {verdict} |")
-    lines += [""] + graded_tables({r["name"]: r for r in results})
-    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
-    if size == "full" and os.path.isfile(notes):   # the interpretation, written by a person after reading the runs
-        with open(notes) as f:
-            lines += ["", f.read().strip()]
-    lines += ["", "## Every run", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
-    if figures:
-        lines += ["", "## Figures", ""]
-        for name, caption in figures:
-            lines += [f"**{caption}**", "", f"![{caption}](figures/{name})", ""]
-    with open(os.path.join(c["out"], "RESULTS.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
 
 
 # ----------------------------------------------------------------------------- main
@@ -411,7 +365,15 @@ def main(argv):
             results.append(json.load(f))
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
-    write_results(results, c, size, seeds, figures)
+    setup = (f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
+             f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
+             f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
+             f"{SIZES[size]['branch_seeds']} seed(s) for {SIZES[size]['branch_iters']} steps. Losses are validation "
+             "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
+             "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time).")
+    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
+    with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
+        write_results(results, c["out"], size, setup, figures, f.read() if f else None)
     print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)",
           file=sys.stderr)
     return results

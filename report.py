@@ -1,0 +1,120 @@
+"""
+RESULTS.md from the grid's finished runs: the paper's claims in one table (claim, the paper's figure,
+the number here with its interval and seeds, the verdict), then each claim's numbers and rule, the
+graded task per k, the interpretation (results/notes.md), every run, the figures.
+
+reproduce.py writes it after its runs (and alone with --report); claims.py computes the verdicts.
+"""
+import os
+
+import numpy as np
+
+from claims import THRS, ci, claims, deepest, graded_runs, replicates, rollouts
+
+COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5/0.7", "depth@0.2/0.3/0.5/0.7",
+           "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4",
+           "Spearman", "train (min)"]
+
+
+def claims_table(rows):
+    """The one-screen table: a line a claim, each cell short (the details follow it)."""
+    verdict = lambda c: "**no**" if c["holds"] is False else c["verdict"]
+    lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
+    lines += [f"| {c['claim']} | {c['paper']} | {c['here']} | {verdict(c)}{' †' if c['reruns'] else ''} |"
+              for c in rows]
+    return lines + ["", "† a run behind it was trained twice with the same settings and moved: see its details."]
+
+
+def claim_details(rows):
+    """Per claim: the rule, every number behind the verdict, and how far reruns moved."""
+    lines = ["## Each claim", ""]
+    for c in rows:
+        lines += [f"**{c['claim']}** ({c['paper']}). Rule: {c['rule']}. Verdict: {c['verdict']}.", "",
+                  c["numbers"] + (f". {c['reruns'][0].upper()}{c['reruns'][1:]}." if c["reruns"] else ""), ""]
+    return lines
+
+
+def graded_tables(R):
+    """Markdown: the graded task per k (answer depth, P(exit >= k), accuracy at the exit, Σ e over the
+    item, each with its interval), and accuracy against compute for every fixed depth and
+    threshold, local and global, and after ragged-aware training. [] without graded runs."""
+    models = [(s, graded_runs(R, s)) for s in ("local", "global")]
+    models += [(f"{s} {kind}", [r for n, r in sorted(R.items()) if n.startswith(f"grd-{s}-poisson-s")
+                                and n.endswith(kind) and r.get("builtin")]) for s in ("local", "global")
+               for kind in ("ra-direct", "cont-dense")]
+    models = [(m, [r["builtin"] for r in rs]) for m, rs in models if rs]
+    if not models:
+        return []
+    U = deepest(models[0][1][0])
+    levels = sorted({int(k) for k in models[0][1][0]["fixed@1"]})
+    stat = lambda suites, mode, k, key: replicates([(rollouts(b, mode, k, key),) for b in suites])
+    lines = ["## The graded task, per k", "",
+             "Held-out items of the builtin graded suite, greedy; each value with its 95% interval (seeds, then items, "
+             "resampled). Answer depth: the exit depth of the position that produced the answer; Σ e: the exit depths "
+             "summed over the item's tokens and the answer.", "",
+             "| model | mode | k | answer depth | P(exit ≥ k) | accuracy at the exit | Σ e over the item |",
+             "|---|---|---|---|---|---|---|"]
+    for m, suites in models:
+        for t in (THRS if m in ("local", "global") else [0.5]):
+            mode = f"ete_ragged@{t}"
+            for k in levels:
+                if rollouts(suites[0], mode, k, "answer_depth") is None:
+                    continue
+                reach = replicates([(rollouts(b, mode, k, "answer_depth") >= k,) for b in suites])
+                depth, right = stat(suites, mode, k, "answer_depth"), stat(suites, mode, k, "correct")
+                lines.append(f"| {m} | {mode} | {k} | {ci(*depth)} | {ci(*reach)} | {ci(*right)} | "
+                             f"{ci(*stat(suites, mode, k, 'sum_exits'), 1)} |")
+    lines += ["", "Accuracy against compute, every k together: what each mode buys per loop at the answer and per loop "
+              "over the item.", "", "| model | mode | accuracy | answer depth | Σ e over the item |",
+              "|---|---|---|---|---|"]
+    every = lambda suites, mode, key: replicates([(np.concatenate([rollouts(b, mode, k, key) for k in levels]),)
+                                                  for b in suites])
+    for m, suites in models:
+        for mode in [f"fixed@{d}" for d in range(1, U + 1)] + [f"{r}@{t}" for r in ("ete_ragged", "dense_ragged")
+                                                                for t in sorted(THRS)]:
+            if rollouts(suites[0], mode, levels[0], "correct") is None:
+                continue
+            lines.append(f"| {m} | {mode} | {ci(*every(suites, mode, 'correct'))} | "
+                         f"{ci(*every(suites, mode, 'answer_depth'))} | {ci(*every(suites, mode, 'sum_exits'), 1)} |")
+    return lines + [""]
+
+
+def table_rows(results):
+    rows = []
+    for r in results:
+        f = r["final"]
+        obj = f"{r['scope']} KL, {r['prior']}" + (f", RA {r['ra']}" if r.get("ra") else "") + \
+              (", dense continuation" if r.get("parent") and not r.get("ra") else "") + \
+              (f", flat β={r['beta']}" if r.get("beta") else "")
+        fmt = lambda xs, p=3: " / ".join(f"{x:.{p}f}" for x in xs)
+        by = f.get("depth_by_difficulty")
+        by_k = fmt([by[str(k)] if by.get(str(k)) is not None else float("nan") for k in range(1, 5)], 2) if by else "–"
+        rho = f.get("difficulty_spearman")
+        cost = r.get("provenance", {}).get("train_seconds")
+        rows.append([r["name"], r["data"], obj, str(r["seed"]), fmt(f["val_loss_fixed"]),
+                     fmt([f["val_loss_ragged"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)]),
+                     fmt([f["ragged_depth"][str(t)] for t in (0.2, 0.3, 0.5, 0.7)], 2), f"{f['avg_exit_depth']:.2f}",
+                     fmt(f["exit_fractions"], 2), fmt(f["jump_rates"], 2), f"{100 * f['large_jump_rate']:.1f}%",
+                     f"{f['kl_global']:.4f}", by_k, "–" if rho is None else f"{rho:.3f}",
+                     "–" if cost is None else f"{cost / 60:.0f}"])
+    return rows
+
+
+def write_results(results, out, size, setup, figures, notes=None):
+    """RESULTS.md in `out`: setup, a sentence on how the grid trains; notes, a person's reading of the
+    runs (results/notes.md), or None."""
+    rows = claims(results)
+    lines = [f"# Reproducing the paper at CPU scale ({size})", "", setup, "", "## The paper's claims, checked", "",
+             "Each verdict follows its rule from the numbers: 95% bootstrap intervals draw the trained models (seeds), "
+             "then the units of each (held-out windows or builtin items). Rules and numbers: below the table.", ""]
+    lines += claims_table(rows) + [""] + claim_details(rows) + graded_tables({r["name"]: r for r in results})
+    if notes:
+        lines += ["", notes.strip()]
+    lines += ["", "## Every run", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(results)]
+    if figures:
+        lines += ["", "## Figures", ""]
+        for name, caption in figures:
+            lines += [f"**{caption}**", "", f"![{caption}](figures/{name})", ""]
+    with open(os.path.join(out, "RESULTS.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
