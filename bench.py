@@ -20,7 +20,6 @@ Training target (App. C): direct RA, averaged over a dense + ragged pair, costs 
 step; counterfactual and REINFORCE cost more.
 """
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 from bench_engine import bench_engine, bench_model
 from bench_gpu import bench_gpu
 from checkpoint import load_checkpoint
-from configurator import SEED_RULE, UserError, device_rule, parse, run_cli
+from configurator import SEED_RULE, THREADS_RULE, UserError, device_rule, parse, run_cli, set_threads
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, generate
 from objectives import Objective, exit_prior, n_uniforms, train_step
@@ -46,7 +45,7 @@ DEFAULTS = dict(
     repeats=5,             # decode, train: timings per mode, interleaved across modes; the median is reported
     thr="0.3,0.5",         # decode: thresholds τ of the ragged modes (comma-separated)
     seed=0,                # seeds the model, the prompt, the workload and the batches
-    threads=0,             # torch threads (0: leave as is)
+    threads=1,             # torch threads (1: steady timings, and room for other jobs; 0: torch's own, one per core)
     steps=1,               # train: even/odd step pairs per timed run (after a warm-up run)
     batch_size=8,          # train: sequences per micro-batch
     block_size=128,        # train: tokens per sequence
@@ -66,13 +65,12 @@ DEFAULTS = dict(
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
     max_rows=256,          # engine, queue: rows per pass prefill chunks may fill (a fixed batch prefills at once)
     attn="auto",           # engine: paged attention (kernels.py)
-    device="cpu",          # engine, gpu: where to run (auto: CUDA when there is one)
+    device="auto",         # engine, gpu: where to run (auto: CUDA when there is one)
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
     out="",                # gpu: also write the JSON to this file
 )
 RULES = dict(what=["decode", "engine", "train", "gpu"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
-             thr="floats in [0, 1]", seed=SEED_RULE, threads=lambda v: None if 0 <= v <= 4 * (os.cpu_count() or 1) else
-             f"expected 0..{4 * (os.cpu_count() or 1)} (0: leave as is; this machine has {os.cpu_count()} cores)",
+             thr="floats in [0, 1]", seed=SEED_RULE, threads=THREADS_RULE,
              steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0",
              rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS, device=device_rule,
              shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
@@ -81,6 +79,15 @@ RULES = dict(what=["decode", "engine", "train", "gpu"], prompt_len=">= 1", new_t
              "expected greedy, paper or greedy,paper",
              batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
              else "expected comma-separated positive integers", gpu_shape=["ouro1.4b", "tiny"])
+# which --what each key is for (its comment says so too): set for another, it would do nothing, and is refused
+FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode", repeats="decode train", thr="decode",
+                steps="train", batch_size="train", block_size="train", shape="engine", vocab="engine",
+                workload="engine", head="engine", capacity="engine", engine_thr="engine", batches="engine gpu",
+                sampling="engine", ouro_code="engine", requests="engine", rounds="engine gpu", full="engine",
+                quick="engine", kv_pages="engine", max_rows="engine", attn="engine", device="engine gpu",
+                gpu_shape="gpu", out="gpu")
+NEEDS = {k: ("--what=" + " or --what=".join(w.split()), lambda c, w=w: c["what"] in w.split())
+         for k, w in FOR_WHAT.items()}
 
 def timed(fns, repeats, desc="bench"):
     """Time every fn of {name: fn} `repeats` times, interleaved (name by name within each round, so
@@ -209,9 +216,8 @@ def bench_train(c):
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__)
-    if c["threads"]:
-        torch.set_num_threads(c["threads"])
+    c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
+    set_threads(c["threads"])
     torch.manual_seed(c["seed"])
     run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu}[c["what"]]
     print(json.dumps(run(c)))

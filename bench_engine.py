@@ -543,3 +543,8 @@ def keep_heap():
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     mallopt(M_MMAP_THRESHOLD, 32 << 20)      # buffers up to 32 MiB come from the heap
     mallopt(M_TRIM_THRESHOLD, 1 << 30)       # and freed heap stays mapped (up to 1 GiB)
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python bench.py --what=engine runs it")

@@ -510,3 +510,8 @@ def print_gpu(runs, checks, counted):
           "ceiling: decode reading the weights at the bandwidth (fixed and the Ouro way U passes and one head a token, "
           "ragged Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, the graphed and "
           "the eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ 0.3)", file=err)
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python bench.py --what=gpu runs it")

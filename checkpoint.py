@@ -278,6 +278,9 @@ def load_ouro(folder, device="cpu", dtype=None):
     for k, shape in want.items():
         if tuple(tensors[k].shape) != tuple(shape):
             raise UserError(f"{folder}: {k} has shape {tuple(tensors[k].shape)}, the config implies {tuple(shape)}")
+        if not tensors[k].is_floating_point():
+            raise UserError(f"{folder}: {k} holds {str(tensors[k].dtype).replace('torch.', '')} values; a model's "
+                            "weights are floating point (bfloat16, float16 or float32)")
     state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
     check_weights_finite(state, folder)
     model.load_state_dict(state, strict=True, assign=True)
@@ -357,3 +360,9 @@ def load_for_script(c, flag="--ckpt"):
         except UserError as e:
             print(f"note: {e}; prompts must be token ids", file=sys.stderr)
     return model, meta, encode, decode, EOS.get(meta.get("tokenizer"))
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "train.py, sample.py, eval.py and server.py load with it; python export_ouro.py writes an "
+            "Ouro folder")

@@ -546,3 +546,8 @@ def rerun_note(R, claim):
 def used_by(r, claim):
     data = r["data"]
     return f": {data}" in claim["claim"] or (data == "synthetic" and "synthetic" in claim["claim"])
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python reproduce.py --full --report writes RESULTS.md with its verdicts")

@@ -17,7 +17,8 @@ and every key with its default, its comment (read from the script's source) and 
 Rules: a list (the allowed values); a string: '>= 1', '> 0', '<= 8', 'in [0, 1]', 'in (0, 1]',
 'in [0, 1)', or 'floats in [0, 1]' (a comma-separated list of numbers, each in the interval);
 or a function value -> error text (None when fine). A key left at a default of None is "unset"
-and not checked.
+and not checked. Beside RULES a script may declare NEEDS: the keys that act only with another
+setting (--cf_thr only with --ra_method=counterfactual); set without it, such a key is refused.
 """
 import ast
 import io
@@ -94,18 +95,20 @@ def _unknown(key, config):
     return UserError(f"unknown option --{key}; allowed: " + ", ".join(f"--{k}" for k in sorted(config)))
 
 
-def parse(argv, defaults, rules=None, source=None, given=None):
+def parse(argv, defaults, rules=None, source=None, given=None, needs=None):
     """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the
     script's file, for --help; given: a set that receives the keys set on the command line or in a
-    config file (set to their default or not). Returns a new dict."""
+    config file (set to their default or not); needs: {key: (what, test)}, the keys that act only
+    with another setting (see check_needs). Returns a new dict."""
     config = dict(defaults)
+    given = set() if given is None else given
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
         if arg in ("-h", "--help"):
-            print(help_text(defaults, rules, source))
+            print(help_text(defaults, rules, source, needs))
             raise SystemExit(0)
         if not arg.startswith("--"):
             if not arg.endswith(".py"):
@@ -126,11 +129,20 @@ def parse(argv, defaults, rules=None, source=None, given=None):
             else:
                 raw, i = nxt, i + 1
         config[key] = _convert(key, raw, defaults[key])
-        if given is not None:
-            given.add(key)
+        given.add(key)
     for key, rule in (rules or {}).items():
         check(key, config[key], rule)
+    check_needs(config, given, needs or {})
     return config
+
+
+def check_needs(config, given, needs):
+    """A key set (on the command line or in a config file) whose effect depends on another setting
+    is refused when that setting is not there: it would do nothing. needs: {key: (what it needs, as
+    the user would write it, test of the config)}: each script's table beside its RULES."""
+    for key, (what, test) in needs.items():
+        if key in given and not test(config):
+            raise UserError(f"--{key}={config[key]!r} does nothing without {what}: give {what}, or leave --{key} out")
 
 
 def check(key, value, rule):
@@ -139,7 +151,8 @@ def check(key, value, rule):
         return  # unset: the script decides what None means
     if isinstance(rule, list):
         if value not in rule:
-            raise UserError(f"--{key}={value!r} is not allowed; choose one of: " + ", ".join(map(str, rule)))
+            choices = [str(v) if v != "" else "'' (unset: the default)" for v in rule]
+            raise UserError(f"--{key}={value!r} is not allowed; choose one of: " + ", ".join(choices))
         return
     if callable(rule):
         problem = rule(value)
@@ -177,6 +190,23 @@ def resolve_device(name):
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
     return name
+
+
+def threads_rule(n):
+    """0 (torch's own) or a count up to 4x the cores"""
+    if not 0 <= n <= 4 * (os.cpu_count() or 1):
+        return f"expected 0..{4 * (os.cpu_count() or 1)} (0: torch's own; this machine has {os.cpu_count()} cores)"
+
+
+THREADS_RULE = threads_rule
+
+
+def set_threads(n):
+    """--threads of every torch script: torch's intra-op threads (0: leave torch's default, one per
+    core). Beside other jobs on a small machine give 1: threads without a core of their own spin while
+    they wait, and a run slows many times over."""
+    if n:
+        torch.set_num_threads(n)
 
 
 # --dtype of the inference scripts: "" keeps the checkpoint's own
@@ -223,8 +253,7 @@ def _apply_file(path, config, defaults, given=None):
         if key not in config:
             raise _unknown(key, config)
         config[key] = _convert(key, value, defaults[key])
-        if given is not None:
-            given.add(key)
+        given.add(key)
 
 
 # ----------------------------------------------------------------------------- --help
@@ -245,8 +274,8 @@ def declared_comments(source):
     return out
 
 
-def help_text(defaults, rules=None, source=None):
-    """The script's docstring, then every key: --key=default, its comment and its rule."""
+def help_text(defaults, rules=None, source=None, needs=None):
+    """The script's docstring, then every key: --key=default, its comment, its rule and what it needs."""
     doc, comments = "", {}
     if source and os.path.isfile(source):
         with open(source, encoding="utf-8") as f:
@@ -261,7 +290,8 @@ def help_text(defaults, rules=None, source=None):
     width = min(34, max(len(f"--{k}={v!r}") for k, v in defaults.items()) + 2)
     for key, default in defaults.items():
         flag = f"--{key}={default!r}"
-        lines.append(f"  {flag:<{width}} {comments.get(key, '')}{_describe((rules or {}).get(key))}".rstrip())
+        need = f" (only with {needs[key][0]})" if key in (needs or {}) else ""
+        lines.append(f"  {flag:<{width}} {comments.get(key, '')}{_describe((rules or {}).get(key))}{need}".rstrip())
     return "\n".join(lines)
 
 
@@ -319,3 +349,20 @@ def run_cli(main, argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def library(doc, use, argv=None):
+    """What a library module does when it is run as a script: with --help it says what it is (its
+    docstring's first line) and how it is used (`use`: the command that runs it), exit 0; otherwise
+    the same as one error line, exit 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    name = os.path.basename(sys.argv[0])
+    what = re.split(r"[.:;](?:\s|$)", " ".join(doc.strip().split("\n\n")[0].split()))[0]
+    if argv and all(a in ("-h", "--help") for a in argv):
+        print(f"{name}: {what}\nA library module, not a command: {use}")
+        raise SystemExit(0)
+    fail(f"error: {name} is a library module, not a command ({what[0].lower()}{what[1:]}): {use}")
+
+
+if __name__ == "__main__":
+    library(__doc__, "every script's --help and flags come from it")

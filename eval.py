@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script, write_json
-from configurator import DTYPES, SEED_RULE, UserError, check_writable, device_rule, parse, run_cli
+from configurator import (DTYPES, SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, run_cli,
+                          set_threads)
 from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
@@ -67,9 +68,10 @@ DEFAULTS = dict(
     max_batch=32,          # requests in flight in the engine
     kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
-    head="shared",         # LM-head calls of the generation runs: shared or eager (serve_depthbatch.HEADS)
+    head="auto",           # LM-head calls of the generation runs: shared, eager; auto: the engine's own
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
-    device="cpu",          # where to run (auto: CUDA when there is one)
+    device="auto",         # where to run (auto: CUDA when there is one)
+    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
     seed=1234,             # seeds sampling and the builtin suite
@@ -78,11 +80,16 @@ DEFAULTS = dict(
 RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_items="in [1, 100000]",
              builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0", max_tokens=">= 1",
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule,
-             seed=SEED_RULE,
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES, device=device_rule,
+             seed=SEED_RULE, threads=THREADS_RULE,
              dtype=list(DTYPES),
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
+# the keys that act only with another setting: refused without it (they would do nothing)
+builtin = ("--builtin=synthetic (or another suite)", lambda c: c["builtin"])
+sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
+NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin, builtin_max_k=builtin,
+             lm_eval_include=("--lm_eval=TASKS", lambda c: c["lm_eval"]), top_p=sampled, top_k=sampled)
 
 
 # ----------------------------------------------------------------------------- modes
@@ -503,7 +510,8 @@ def score_task(model, task, items, specs, c, encode, decode, ks):
 
 
 def main(argv):
-    c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__)
+    c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__, needs=NEEDS)
+    set_threads(c["threads"])
     if c["convert"]:
         unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
         if unknown:

@@ -4,6 +4,10 @@ Ouro's key names, model_type "ouro"), so tools that already run Ouro at fixed de
 
     python export_ouro.py --ckpt out/ --out out-ouro/ [--dtype=bfloat16] [--force]
 
+The weights keep the checkpoint's dtype unless --dtype says otherwise: then export and import give the
+same logits and tokens. --dtype=bfloat16 halves the folder and rounds every weight, which moves the
+logits and so the greedy tokens and the exits (docs/ouro.md).
+
 Only models trained with --loop_norm (Ouro's per-loop norm) can be exported: Ouro's code would run
 any other model differently. Our tokenizer is written beside it as meta.json (read back by our
 loader); it is not a Hugging Face tokenizer.json. Needs the optional `safetensors` package.
@@ -18,10 +22,10 @@ from configurator import check_writable, parse, run_cli
 DEFAULTS = dict(
     ckpt="out",            # our checkpoint: a ckpt.pt file or a directory holding one
     out="",                # the Ouro folder to write (required)
-    dtype="bfloat16",      # dtype of the exported weights
+    dtype="",              # dtype of the exported weights ("": the checkpoint's own)
     force=False,           # overwrite a folder that already holds an export
 )
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {"": None, "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 RULES = dict(dtype=list(DTYPES), out=lambda v: None if v else "required: the folder to write")
 
 
@@ -29,8 +33,9 @@ def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     check_writable(c["out"], "out")
     model, ckpt = load_checkpoint(c["ckpt"])
-    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"])
-    print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {c['dtype']})", file=sys.stderr)
+    dtype = DTYPES[c["dtype"]] or model.lm_head.weight.dtype
+    export_ouro(model, c["out"], ckpt.get("meta"), dtype, c["force"])
+    print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {dtype})", file=sys.stderr)
 
 
 if __name__ == "__main__":

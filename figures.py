@@ -190,3 +190,8 @@ def figure_difficulty(plt, R, pair, s0):
            ylabel="mean exit depth (τ = 0.5)")
     ax.legend()
     return fig, "depth_by_difficulty.png", "Mean exit depth before a token, by its difficulty, local vs global"
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python reproduce.py --full --report draws them")

@@ -388,3 +388,8 @@ def attend_pages(q, k_pages, v_pages, page_ids, lengths, impl, plan=None, scale=
     if impl == "flex":
         return paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale)
     raise ValueError(f"paged_attention: impl={impl!r}; available: {', '.join(IMPLS)}")
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python bench_kernels.py benchmarks them")

@@ -137,3 +137,8 @@ def by_difficulty(exits, diffs, spans, thrs):
         out["span_depth_by_difficulty"] = mean_by(flat[thrs[0]], d, range(1, 5))
         out["span_depth_by_thr"] = {str(t): mean_by(ev, d, range(1, 5)) for t, ev in flat.items()}
     return out
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python train.py evaluates with it")

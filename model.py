@@ -544,3 +544,7 @@ def exit_stats(exits, U):
     jr = [float((jumps == k).double().mean()) if jumps.numel() else 0.0 for k in range(U)]
     return {"exit_fractions": fr, "jump_rates": jr, "large_jump_rate": float(sum(jr[2:]))}
 
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python train.py trains it, python sample.py generates from it")

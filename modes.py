@@ -189,3 +189,8 @@ def continuation_logprobs(model, pairs, mode, thr, depth, batch_size, device):
             greedy = bool((logp[r, pos].argmax(-1) == tgt).all())
             out[i] = (float(lp.sum()), greedy, exits[r, pos].tolist())
     return out
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python sample.py --mode=... runs them")

@@ -279,3 +279,8 @@ def all_reduce_sum(tensors):
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python train.py trains with them")

@@ -72,6 +72,16 @@ RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "shakespeare_cha
              tokenizer=["char", "gpt2"], seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)",
              tokens="in [100, 100000000000]", max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
+# the keys that act only for some datasets (their comments say which): set for another, refused
+made = ("--dataset=synthetic (or pointer, hops, graded)", lambda c: c["dataset"] in ("synthetic", "pointer", "hops",
+                                                                                    "graded"))
+NEEDS = dict(seed=made, size=made, max_k=made,
+             filler=("--dataset=synthetic (or pointer)", lambda c: c["dataset"] in ("synthetic", "pointer")),
+             input=("--dataset=text (or shakespeare_char)", lambda c: c["dataset"] in ("text", "shakespeare_char")),
+             tokenizer=("--dataset=text", lambda c: c["dataset"] == "text"),
+             tiktoken_file=("--dataset=text --tokenizer=gpt2 (or fineweb_edu)",
+                            lambda c: c["tokenizer"] == "gpt2" or c["dataset"] == "fineweb_edu"),
+             tokens=("--dataset=fineweb_edu", lambda c: c["dataset"] == "fineweb_edu"))
 
 
 # ----------------------------------------------------------------------------- synthetic
@@ -187,7 +197,7 @@ def _fineweb_ids(c):
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__)
+    c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
     check_writable(c["data_dir"], "data_dir")
     prepare(c)
 

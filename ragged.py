@@ -292,3 +292,8 @@ def alloc_wave(pool, rows):
         grid[k][i][di] = p
     return [seq.alloc_depth(pos, slice(depths.start, depths.stop), torch.tensor(g, dtype=torch.long))
             for (seq, pos, depths), g in zip(rows, grid)]                       # [len(pos), len(depths)] each
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python sample.py runs the Ragged-KV cache")

@@ -118,3 +118,8 @@ def write_results(results, out, size, setup, figures, notes=None):
             lines += [f"**{caption}**", "", f"![{caption}](figures/{name})", ""]
     with open(os.path.join(out, "RESULTS.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python reproduce.py --full --report writes RESULTS.md")

@@ -48,7 +48,7 @@ import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
 from claims import MAX_K, POINTER_TASKS, TASK_PRIORS, THRS
-from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
+from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
 from figures import draw
 from report import write_results
 from model import forward_ragged
@@ -64,8 +64,9 @@ DEFAULTS = dict(
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
     report=False,          # write RESULTS.md and the figures from the runs finished in --out; train nothing
+    threads=1,             # torch threads (1: two runs side by side on 2 cores, as the grid is run; 0: torch's own)
 )
-RULES = dict(seeds=">= 1", seed=SEED_RULE)
+RULES = dict(seeds=">= 1", seed=SEED_RULE, threads=THREADS_RULE)
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
 SIZES = {
@@ -331,6 +332,7 @@ def check_size(out, size):
 
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
+    set_threads(c["threads"])
     if c["quick"] == c["full"]:
         raise UserError("give --quick (a smoke test of the grid) or --full (the real figures)")
     size = size_of(c)

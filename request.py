@@ -161,3 +161,8 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, position, nucleus=Tru
     keep = torch.zeros_like(keep).scatter(1, order, keep & (sz > float("-inf")))   # back to vocabulary order
     drawn = torch.where(keep, z + g, float("-inf")).argmax(-1)
     return torch.where(temperature > 0, drawn, x.argmax(-1))
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python sample.py and python server.py build requests")

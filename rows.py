@@ -185,3 +185,8 @@ def keep_one_depth(g, stopped, U):
         if rule is not None:
             depth = U - 1 if rule == "last" else g.exits[p - g.start] - 1
             g.live.seq.collapse(torch.tensor([p]), torch.tensor([depth]))
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python sample.py runs the engine's rows")

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script
-from configurator import DTYPES, SEED_RULE, UserError, device_rule, parse, run_cli
+from configurator import (DTYPES, SEED_RULE, THREADS_RULE, UserError, check_needs, device_rule, parse, run_cli,
+                          set_threads)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
@@ -50,43 +51,45 @@ DEFAULTS = dict(
     top_k=0,               # 0 = off
     top_p=0.7,             # 1.0 = off
     seed=1337,             # seeds python, numpy and torch, and the sampler
-    thr=None,              # exit threshold τ in [0, 1] (Eq. 4)
-    mode="",               # how tokens run and what KV is kept (see Modes above; default: see below)
+    thr=0.5,               # exit threshold τ in [0, 1] (Eq. 4), of every mode but fixed
+    mode="",               # how tokens run, what KV is kept (Modes above; unset: dense_ragged with --thr, else fixed)
     depth=None,            # fixed mode: loops per token (default U)
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
-    head="shared",         # LM-head calls: shared (exited rows wait to share one; a batch's deepest never waits), eager
+    head="auto",           # LM-head calls: shared (exited rows wait to share one), eager; auto: the engine's own
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
-    device="cpu",          # where to run (auto: CUDA when there is one)
+    device="auto",         # where to run (auto: CUDA when there is one)
+    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
-             head=HEADS, engine=ENGINES, dtype=list(DTYPES))
+             head=["auto"] + HEADS, engine=ENGINES, dtype=list(DTYPES), threads=THREADS_RULE)
+# the keys that act only with another setting (mode: as resolved, see check_args): refused without it
+prefill = ("--mode=ete_ragged (or collapse_kv)", lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
+sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
+NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
+             thr=("--mode=dense_ragged (any mode but fixed)", lambda c: c["mode"] != "fixed"),
+             prefill_thr=prefill, prefill_schedule=prefill, prefix_full=prefill, top_k=sampled, top_p=sampled)
 
 
-def check_args(c, U):
-    """What RULES cannot check alone: the mode's options, and the depth against the model's U."""
-    thr = c["thr"]
-    mode = c["mode"] or ("dense_ragged" if thr is not None else "fixed")
-    shaped = c["prefill_thr"] is not None or c["prefill_schedule"] or c["prefix_full"]
-    if shaped and mode not in ("ete_ragged", "collapse_kv"):
-        raise UserError(f"--prefill_thr/--prefill_schedule/--prefix_full shape a ragged prefill; they apply to "
-                        f"--mode=ete_ragged (or collapse_kv), not {mode}")
+def check_args(c, U, given):
+    """What RULES cannot check alone: the mode (unset: dense_ragged when --thr is given, else fixed at
+    U), the flags that need it (NEEDS), and the depth against the model's U."""
+    mode = c["mode"] or ("dense_ragged" if "thr" in given else "fixed")
+    check_needs(dict(c, mode=mode), given, NEEDS)
     depth = U if c["depth"] is None else c["depth"]
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
         raise UserError(f"--depth={depth!r}: must be an integer in 1..{U} (this model has U={U} loops)")
-    if mode == "fixed" and thr is not None and c["mode"]:
-        raise UserError(f"--thr={thr}: --mode=fixed runs --depth loops per token and uses no threshold")
-    return mode, (0.5 if thr is None else float(thr)), depth
+    return mode, float(c["thr"]), depth
 
 
 def prompt_ids(c, meta, encode):
@@ -193,9 +196,11 @@ def sample_engine(c, model, ids, mode):
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__)
+    given = set()
+    c = parse(argv, DEFAULTS, RULES, __file__, given)
+    set_threads(c["threads"])
     model, meta, encode, decode, _ = load_for_script(c)
-    mode, thr, depth = check_args(c, model.config.n_loops)
+    mode, thr, depth = check_args(c, model.config.n_loops, given)
     ids = the_prompt(c, model, meta, encode)
     random.seed(c["seed"])
     np.random.seed(c["seed"])

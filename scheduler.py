@@ -161,3 +161,8 @@ class Scheduler:
             self.running.remove(s)
         if s in self.waiting:
             self.waiting.remove(s)
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python server.py --scheduler=... schedules with it")

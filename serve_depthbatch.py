@@ -30,7 +30,6 @@ row is (its request's live state, its paged reads and writes), rows.py; the Requ
 fill in and read back, request.py. The HTTP API over this engine is server.py; its
 benchmark is `python bench.py --what=engine`.
 """
-import sys
 
 import torch
 
@@ -442,5 +441,6 @@ class Engine:
 
 
 if __name__ == "__main__":
-    sys.exit("serve_depthbatch.py is the engine, a library: serve with `python server.py --ckpt out/ --port 8000`, "
-             "benchmark with `python bench.py --what=engine`")
+    from configurator import library
+    library(__doc__, "serve with `python server.py --ckpt out/`, sample with `python sample.py --ckpt out/`, "
+            "benchmark with `python bench.py --what=engine`")

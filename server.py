@@ -23,13 +23,14 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from collections import deque
 from dataclasses import fields
 
 import torch
 
 from checkpoint import load_for_script
-from configurator import DTYPES, UserError, device_rule, parse, run_cli
+from configurator import DTYPES, THREADS_RULE, UserError, device_rule, parse, run_cli, set_threads
 from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
@@ -40,6 +41,7 @@ from slot_engine import ENGINES, engine_for
 from tokenizer import IM_END, chat_ids, has_chat
 
 MAX_BODY = 16 << 20                       # bytes of one request body
+MAX_HEAD = 32 << 10                       # bytes of one request's line and headers
 ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "prefill_thr",
                  "prefill_schedule", "prefix_full"}          # body fields that are Request fields
 ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages",
@@ -264,13 +266,44 @@ class Handler(http.server.BaseHTTPRequestHandler):
     app = None
     protocol_version = "HTTP/1.1"
     timeout = 15                          # seconds a request may stall while it arrives: a half-sent one is let go
+    deadline = 20                         # seconds a whole request (its line, headers and body) may take to arrive
     write_timeout = 60                    # seconds a response may wait on a slow reader
 
     def handle(self):
         try:
             super().handle()
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):   # the client went away: nothing to answer
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, OSError):   # the client went away, or was let go
             self.close_connection = True
+
+    def handle_one_request(self):
+        """One request, which must have arrived whole within `deadline` seconds, however slowly it
+        trickles (the per-read timeout alone lets a client hold its connection by sending a byte at a
+        time): past it the connection is shut and its slot freed. The clock stops once the body is read."""
+        self.clock = threading.Timer(self.deadline, self.let_go)
+        self.clock.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self.clock.cancel()
+
+    def let_go(self):
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def parse_request(self):
+        """The standard library's parsing, and: an HTTP/1.x request line only (a line without a version
+        is not HTTP/0.9 here: it is answered 400 with a status line), headers of at most MAX_HEAD bytes."""
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":
+            self.send_error(400, f"not an HTTP/1.x request line: {self.requestline[:80]!r}")
+            return False
+        if len(self.raw_requestline) + sum(len(k) + len(v) + 4 for k, v in self.headers.items()) > MAX_HEAD:
+            self.send_error(431, f"the request's line and headers exceed {MAX_HEAD} bytes")
+            return False
+        return True
 
     def log_message(self, fmt, *args):  # quiet: one line per request on stderr only with --verbose
         if self.app.verbose:
@@ -288,6 +321,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         """The standard library's own errors (an unknown method: 501, a malformed request line: 400),
         as the API's JSON errors, not its HTML page."""
         self.close_connection = True
+        self.request_version = "HTTP/1.1"       # a status line, even for a line that was not HTTP at all
         try:
             self.send_error_json(BadRequest(message or http.HTTPStatus(code).phrase, status=code))
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -298,12 +332,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                   "code": None}}, e.status)
 
     def do_GET(self):
-        engine = self.app.engine
-        if self.path == "/health":
+        self.clock.cancel()
+        engine, path = self.app.engine, urllib.parse.urlsplit(self.path).path      # a query string routes as without
+        if path == "/health":
             self.send_json({"status": "ok" if not self.app.dead else f"engine stopped: {self.app.dead}",
                             "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                             "free_pages": len(engine.pool.free)}, 200 if not self.app.dead else 503)
-        elif self.path == "/v1/models":
+        elif path == "/v1/models":
             self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model", "created": 0,
                                                         "owned_by": "looped-lm"}]})
         else:
@@ -332,13 +367,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(f"malformed JSON: {e}")
 
     def do_POST(self):
-        chat = self.path == "/v1/chat/completions"
+        path = urllib.parse.urlsplit(self.path).path
+        chat = path == "/v1/chat/completions"
         try:
-            if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            if path not in ("/v1/completions", "/v1/chat/completions"):
                 raise BadRequest(f"no route POST {self.path}", status=404)
             if self.app.dead:
                 raise BadRequest(f"the engine has stopped ({self.app.dead}); restart the server", status=503)
             body = self.read_body()
+            self.clock.cancel()
             self.connection.settimeout(self.write_timeout)
             reqs, stream, stop, usage = parse_request(self.app, body, chat)
             events = queue.Queue()
@@ -425,11 +462,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 class HTTPServer(http.server.ThreadingHTTPServer):
-    """The standard library's threaded server, with a listen backlog for bursts of clients and a cap
-    on the connections served at once: one past it is answered 503 at once and closed."""
+    """The standard library's threaded server, with a listen backlog for bursts of clients, a cap on
+    the connections served at once and a smaller one on those of one address (so that one client,
+    slow or idle, cannot take every slot): one past a cap is answered 503 at once and closed."""
     request_queue_size = 128
     daemon_threads = True
     max_connections = 256
+    per_address = 192
     busy_body = json.dumps({"error": {"message": "too many connections; retry", "type": "server_error", "param": None,
                                       "code": None}}).encode()
     busy = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -438,9 +477,16 @@ class HTTPServer(http.server.ThreadingHTTPServer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.slots = threading.BoundedSemaphore(self.max_connections)
+        self.lock, self.by_address = threading.Lock(), {}
 
     def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
+        with self.lock:
+            mine = self.by_address.get(client_address[0], 0)
+            if mine < self.per_address:
+                self.by_address[client_address[0]] = mine + 1
+        if mine >= self.per_address or not self.slots.acquire(blocking=False):
+            if mine < self.per_address:
+                self.release(client_address)
             try:
                 request.sendall(self.busy)
             except OSError:
@@ -454,6 +500,15 @@ class HTTPServer(http.server.ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+            self.release(client_address)
+
+    def release(self, client_address):
+        with self.lock:
+            left = self.by_address[client_address[0]] - 1
+            if left:
+                self.by_address[client_address[0]] = left
+            else:
+                del self.by_address[client_address[0]]
 
 
 def make_handler(server):
@@ -491,17 +546,22 @@ DEFAULTS = dict(
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
-    device="cpu",          # where to run (auto: CUDA when there is one)
+    device="auto",         # where to run (auto: CUDA when there is one)
+    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
     dtype="",              # weights dtype (default: as saved)
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
     verbose=False,         # log every HTTP request
 )
 RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
-             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, dtype=list(DTYPES))
+             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, dtype=list(DTYPES),
+             threads=THREADS_RULE)
+# the keys that act only with another setting: refused without it (they would do nothing)
+NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__)
+    c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
+    set_threads(c["threads"])
     model, meta, encode, decode, eos = load_for_script(c)
     cfg, size = model.config, page_bytes(model)
     pages = pool_pages(model, c["kv_pages"], c["kv_memory"], c["max_batch"])

@@ -25,7 +25,6 @@ A request's record here is rows.Seat; the queue and admission are scheduler.py's
 are; the graphs are slot_pass.Graphs. Read top to bottom: the engine (its interface, what the host
 decides between passes, the passes and their log, endings); engine_for.
 """
-import sys
 
 import torch
 
@@ -517,18 +516,20 @@ class SlotEngine:
             assert (st.table[slot, d, :p + 1] != st.scratch).all(), "a running row reads the scratch page"
 
 
-def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="eager",
+def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="auto",
                engine="auto"):
     """The engine for this device. "auto": the slot engine with CUDA graphs on a GPU, where the eager
-    engine waits on the host (its LM head runs on every pass: --head does not apply); the eager Engine
-    on a CPU, where it is the faster (it gathers only the keys each row reads; docs/benchmarks.md),
-    and for what the slot engine leaves to it (the nested scheduler; the Table 17 modes: --engine=eager)."""
+    engine waits on the host; the eager Engine on a CPU, where it is the faster (it gathers only the
+    keys each row reads; docs/benchmarks.md), and for what the slot engine leaves to it (the nested
+    scheduler, the shared LM head, the Table 17 modes: --engine=eager). head "auto": the engine's own,
+    eager on the slot engine (it runs the head on every pass), shared on the eager engine."""
     if engine not in ENGINES:
         raise UserError(f"--engine={engine!r}; allowed: {', '.join(ENGINES)}", "engine")
     if engine == "auto":
         cuda = torch.device(model.lm_head.weight.device).type == "cuda"
-        engine = "slots" if cuda and scheduler in SCHEDULERS and attn != "flex" else "eager"
-        head = "eager" if engine == "slots" else head
+        engine = "slots" if cuda and scheduler in SCHEDULERS and attn != "flex" and head != "shared" else "eager"
+    if head == "auto":
+        head = "eager" if engine == "slots" else "shared"
     if engine == "slots":
         if head != "eager":
             raise UserError(f"--head={head}: the slot engine runs the LM head on every pass (--engine=eager shares it)",
@@ -538,5 +539,5 @@ def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuou
 
 
 if __name__ == "__main__":
-    sys.exit("slot_engine.py is an engine, a library: serve with `python server.py --ckpt out/`, benchmark on a GPU "
-             "with `python bench.py --what=gpu`")
+    from configurator import library
+    library(__doc__, "serve with `python server.py --ckpt out/`, benchmark on a GPU with `python bench.py --what=gpu`")

@@ -364,3 +364,8 @@ class Graphs:
         self.pool = graph.pool()
         restore()
         return graph
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python bench.py --what=gpu runs the pass")

@@ -150,12 +150,21 @@ KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "ho
 
 # ----------------------------------------------------------------------------- task files
 
+ITEM_KEYS = {"type", "context", "choices", "answer", "context_ids", "choices_ids", "prompt", "prompt_ids",
+             "answer_ids", "cot", "description", "extract", "difficulty", "max_tokens", "kind"}   # the schema's fields
+
+
 def load_task(path):
     if not os.path.isfile(path):
         raise UserError(f"--task={path}: no such file")
     items = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"--task={path}: line {n} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                f"{e.start + 1}); task files are JSONL in UTF-8")
             if not line.strip():
                 continue
             try:
@@ -172,6 +181,10 @@ def load_task(path):
 def check_item(item, where):
     """One task item, field by field, before any model runs: UserError naming the line and the field."""
     kind = item.get("type") if isinstance(item, dict) else None
+    unknown = sorted(set(item) - ITEM_KEYS) if isinstance(item, dict) else []
+    if unknown:
+        raise UserError(f"--task {where}: unknown field {unknown[0]!r}; an item's fields: "
+                        + ", ".join(sorted(ITEM_KEYS)))
     text = lambda v: isinstance(v, str)
     ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                               for t in v)
@@ -355,3 +368,9 @@ def is_correct(item, completion_text, completion_ids):
         return completion_text.startswith(item["answer"]), completion_text[:len(item["answer"])]
     ans = extract_answer(completion_text)
     return ans is not None and ans == normalize(item["answer"]), ans
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python eval.py --builtin=... or --task=FILE.jsonl reads them; python prepare_data.py "
+            "writes the datasets")

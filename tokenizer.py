@@ -44,17 +44,33 @@ def pieces_meta(pieces):
     return {"tokenizer": "pieces", "vocab_size": len(pieces), "pieces": list(pieces)}
 
 
-def load_tokenizer(meta, tiktoken_file=""):
-    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str). A meta
-    that is not one of ours (a corrupt file or checkpoint) is a UserError naming what is wrong."""
+def check_meta(meta, where="the model's meta"):
+    """A tokenizer description (meta.json, or a checkpoint's meta) that is ours and agrees with itself:
+    its entries present and well formed, and as many tokens as its vocab_size says (a char model whose
+    characters are fewer than its vocabulary would decode an id it has no character for). UserError
+    naming `where` and what is wrong."""
     if not isinstance(meta, dict):
-        raise UserError(f"the tokenizer description is {type(meta).__name__}, not a JSON object")
+        raise UserError(f"{where}: the tokenizer description is {type(meta).__name__}, not a JSON object")
     kind = meta.get("tokenizer")
     entry = {"char": "chars", "pieces": "pieces", "hf": "path"}.get(kind)
     if entry and not (isinstance(meta.get(entry), str) and meta[entry] if kind != "pieces" else
                       isinstance(meta.get(entry), list) and meta[entry] and all(isinstance(p, str) and p
                                                                                for p in meta[entry])):
-        raise UserError(f"tokenizer {kind!r}: its {entry!r} is missing or malformed in the model's meta")
+        raise UserError(f"{where}: tokenizer {kind!r}: its {entry!r} is missing or malformed")
+    size = meta.get("vocab_size")
+    if kind in ("char", "pieces", "gpt2") and (isinstance(size, bool) or not isinstance(size, int)):
+        raise UserError(f"{where}: vocab_size {size!r} is not a whole number")
+    tokens = {"char": lambda: len(meta["chars"]), "pieces": lambda: len(meta["pieces"]), "gpt2": lambda: 50257}
+    if kind in tokens and tokens[kind]() != size:
+        raise UserError(f"{where}: vocab_size is {size}, but its {kind} tokenizer has {tokens[kind]()} tokens; "
+                        "prepare the dataset again with prepare_data.py")
+
+
+def load_tokenizer(meta, tiktoken_file=""):
+    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str). A meta
+    that is not one of ours (a corrupt file or checkpoint) is a UserError naming what is wrong."""
+    check_meta(meta)
+    kind = meta.get("tokenizer")
     if kind == "char":
         chars = meta["chars"]
         stoi = {c: i for i, c in enumerate(chars)}
@@ -131,3 +147,8 @@ def chat_ids(turns, encode, think=False):
         body = encode(content) if isinstance(content, str) else list(content)
         ids += [IM_START] + encode(role + "\n") + body + [IM_END] + encode("\n")
     return ids + [IM_START] + encode("assistant\n" + ("<think>\n" if think else ""))
+
+
+if __name__ == "__main__":
+    from configurator import library
+    library(__doc__, "python prepare_data.py and python sample.py use it")

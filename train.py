@@ -4,10 +4,15 @@ Train a looped LM with an exit-prior objective (paper §4, App. B).
     python train.py                                   # small model on synthetic data, a few CPU minutes
     python train.py --prior=geometric --global_kl     # global prior enforcement (Eq. 10)
     python train.py config/shakespeare_char.py --max_iters=2000
-    python train.py --init_from=resume                # continue out_dir/ckpt.pt exactly
+    python train.py --init_from=resume                # continue out_dir/ckpt.pt exactly, with its own settings
 
     python train.py --global_kl --ragged_aware        # alternate dense and sampled-ragged steps (§5)
     torchrun --standalone --nproc_per_node=2 train.py # data parallel (gloo on CPU, nccl on CUDA)
+
+A resume takes every setting from the checkpoint: --data_dir, --log_interval, --eval_interval, --eval_iters
+and --eval_thr may be given anew, --stop_iter, --device, --compile and --backend are this process's own,
+any other flag given with another value than the run's is refused. A flag that acts only with another
+(NEEDS: --cf_thr without --ra_method=counterfactual, say) is refused without it.
 
 The objectives themselves (Eq. 9-22) are objectives.py, what a run measures on held-out data is
 metrics.py; this file is the loop around them: flags, data, checkpoints, data-parallel processes.
@@ -25,10 +30,12 @@ import numpy as np
 import torch
 
 from checkpoint import atomic_write, is_ouro_folder, load_checkpoint, model_args, save_checkpoint
-from configurator import SEED_RULE, UserError, check_writable, device_rule, parse, resolve_device, run_cli
+from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, resolve_device,
+                          run_cli, set_threads)
 from metrics import draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
 from model import GPTConfig, LoopedLM
 from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
+from tokenizer import check_meta
 
 # ----------------------------------------------------------------------------- defaults
 # I/O
@@ -36,8 +43,8 @@ out_dir = "out"              # where ckpt.pt and log.jsonl go
 eval_interval = 100          # evaluate, log and checkpoint every this many iterations
 log_interval = 10            # log a training record every this many iterations
 eval_iters = 10              # val batches per evaluation
-eval_only = False            # evaluate once, print the record as JSON on stdout, write nothing
-init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly where it stopped
+eval_only = False            # evaluate out_dir/ckpt.pt once, print the record as JSON on stdout, write nothing
+init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly: with its own settings
 branch_from = ""             # a finished run (its out_dir or ckpt.pt): its weights, a fresh optimizer and schedule
 stop_iter = -1               # stop (checkpoint written) at this iteration, to split a run into jobs
 # data
@@ -86,6 +93,7 @@ min_lr = 1e-4                # learning rate at the end of the decay
 device = "auto"              # where to train (auto: CUDA when there is one)
 dtype = "auto"               # auto: bf16 autocast on CUDA, fp32 on CPU
 compile = False              # torch.compile the model
+threads = 0                  # torch threads (0: torch's own, one per core; 1 beside other jobs)
 backend = ""                 # torchrun process group ("": nccl on CUDA, gloo on CPU)
 seed = 1337                  # seeds python, numpy and torch; the data order and sampled exits follow it
 
@@ -102,10 +110,28 @@ RULES = dict(
     cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0", max_iters=">= 1",
     weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0", warmup_iters=">= 0",
     lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0", device=device_rule,
-    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=SEED_RULE,
+    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=SEED_RULE, threads=THREADS_RULE,
+)
+# the keys that act only with another setting: set without it they would do nothing, and are refused
+ra_with = lambda method: lambda c: c["ragged_aware"] and c["ra_method"] == method
+NEEDS = dict(
+    ra_method=("--ragged_aware", lambda c: c["ragged_aware"]),
+    cf_thr=("--ragged_aware --ra_method=counterfactual", ra_with("counterfactual")),
+    reinforce_k=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
+    w_rag=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
+    alpha=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
+    kl_scope=("--global_kl", lambda c: c["global_kl"]),
+    prior_lambda=("--prior=geometric or --prior=poisson", lambda c: c["prior"] != "uniform"),
+    **{k: ("--decay_lr=True", lambda c: c["decay_lr"]) for k in ("warmup_iters", "lr_decay_start", "lr_decay_iters",
+                                                                 "min_lr")},
 )
 MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops", "block_size",
               "rope_theta", "loop_norm", "branch_norm_init"]
+# --init_from=resume takes the run's settings from its checkpoint: those of this process are its own
+# (RESUME_OWN), where the data lies and how the run reports may be given anew (RESUME_MAY_CHANGE), and
+# every other key defines the run (given with another value: refused)
+RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend", "threads"]
+RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr"]
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -137,11 +163,13 @@ def ensure_data(c):
     paths, meta_path = data_paths(c)
     if all(os.path.isfile(p) for p in paths.values()) and os.path.isfile(meta_path):
         try:
-            with open(meta_path) as f:
-                return json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+            with open(meta_path, encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:        # not JSON, or not UTF-8
             raise UserError(f"--dataset={c.dataset}: cannot read {meta_path} ({type(e).__name__}); "
                             "prepare the dataset again with prepare_data.py")
+        check_meta(meta, f"--dataset={c.dataset}: {meta_path}")
+        return meta
     import prepare_data
     if c.dataset in prepare_data.KINDS:  # the generated datasets prepare themselves, offline
         print(f"preparing the {c.dataset} dataset (python prepare_data.py --dataset={c.dataset})", file=sys.stderr)
@@ -169,6 +197,10 @@ def load_data(c, vocab_size):
     train, val = load_split(c, "train"), load_split(c, "val")
     labels = [os.path.join(c.data_dir, c.dataset, f) for f in ("val_labels.bin", "val_item_labels.bin")]
     labels = [np.memmap(p, dtype=np.uint8, mode="r") if os.path.isfile(p) else None for p in labels]
+    for path, lab in zip(("val_labels.bin", "val_item_labels.bin"), labels):
+        if lab is not None and len(lab) != len(val):       # a truncated side file: every label would shift
+            raise UserError(f"--dataset={c.dataset}: {path} has {len(lab)} labels for {len(val)} val tokens (one a "
+                            "token); prepare the dataset again with prepare_data.py")
     for name, split in (("train", train), ("val", val)):
         if len(split) <= c.block_size + 1:
             raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
@@ -204,9 +236,18 @@ def setup_distributed(c):
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def check_config(c):
+def check_config(c, given=()):
     """What the RULES table cannot say alone: keys that must fit together, and paths. Runs before
-    anything is written."""
+    anything is written. --eval_only evaluates the run in out_dir as it stands (a resume without
+    steps), or refuses."""
+    if c.eval_only:
+        ckpt = os.path.join(c.out_dir, "ckpt.pt")
+        if "init_from" in given and c.init_from != "resume":
+            raise UserError(f"--eval_only evaluates {ckpt!r}; --init_from={c.init_from} would evaluate an untrained "
+                            "model: leave --init_from out")
+        if not os.path.isfile(ckpt):
+            raise UserError(f"--eval_only evaluates {ckpt!r}, which does not exist (check --out_dir)")
+        c.init_from = "resume"
     if c.prior == "geometric" and c.prior_lambda is not None and not c.prior_lambda < 1:
         raise UserError(f"--prior_lambda={c.prior_lambda}: the geometric prior needs a value in (0, 1)")
     for key in ("out_dir", "data_dir"):
@@ -277,11 +318,13 @@ def start_model(c, meta, device, master, data_gen, exit_gen, given=()):
     if c.init_from == "resume":
         model, ckpt = load_checkpoint(ckpt_path, device, flag="--out_dir")
         saved = ckpt["config"]
-        for k in MODEL_KEYS + ["dataset", "batch_size"]:  # these define the run: kept, never changed
-            if k in given and getattr(c, k) != saved[k]:
-                raise UserError(f"--{k}={getattr(c, k)!r}: --init_from=resume continues the run in {c.out_dir}, "
-                                f"which has {k}={saved[k]!r}; a resumed run keeps its shape, data and batch")
-            setattr(c, k, saved[k])
+        for k in sorted((DEFAULTS.keys() - set(RESUME_OWN)) & saved.keys()):   # the run as it was started
+            if k in given and getattr(c, k) != saved[k] and k not in RESUME_MAY_CHANGE:
+                raise UserError(f"--{k}={getattr(c, k)}: --init_from=resume continues the run in {c.out_dir}, "
+                                f"which has {k}={saved[k]}; a resume may change only "
+                                + ", ".join(f"--{m}" for m in RESUME_MAY_CHANGE))
+            if k not in given:
+                setattr(c, k, saved[k])
         optimizer = make_optimizer(model, c, device)
         optimizer.load_state_dict(ckpt["optimizer"])
         data_gen.set_state(ckpt["data_rng"])
@@ -362,8 +405,9 @@ def describe_run(c, model, device, n_micro, world, baseline):
 
 def main(argv):
     given = set()
-    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__, given))
-    check_config(c)
+    c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__, given, NEEDS))
+    check_config(c, given)
+    set_threads(c.threads)
     rank, world, device = setup_distributed(c)
     master = rank == 0
     n_micro = micro_batches(c, world)

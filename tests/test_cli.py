@@ -1,10 +1,12 @@
 """Every script's entry point on bad input, in-process: exit code 2, exactly one stderr line
 `error: ...` naming the bad key, and no file created or changed. Plus --help everywhere."""
 import hashlib
+import json
 import os
 import re
 
 import pytest
+import torch
 
 import bench
 import bench_kernels
@@ -51,7 +53,28 @@ def sandbox(tmp_path_factory):
     (wrong / "meta.json").write_text((root / "data" / "synthetic" / "meta.json").read_text())
     (root / "empty.txt").write_text("")
     (root / "notes.txt").write_text("hello, not a checkpoint\n")
+    malformed_files(root)
     return root
+
+
+def malformed_files(root):
+    """Files that are wrong in the ways a user's files are: a task file not in UTF-8 and one with a
+    misspelled field; a dataset whose meta.json has fewer characters than its vocabulary and one whose
+    val_labels.bin is cut short; an Ouro folder whose tensors are integers."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    (root / "latin1.jsonl").write_bytes('{"type": "gen", "prompt": "café", "answer": "x"}\n'.encode("latin-1"))
+    (root / "typo.jsonl").write_text('{"type": "gen", "prompt": "a", "answer": "b", "max_token": 3}\n')
+    synthetic = root / "data" / "synthetic"
+    for name in ("badmeta", "shortlabels"):
+        shutil.copytree(synthetic, root / "data" / name)
+    meta = json.loads((synthetic / "meta.json").read_text())
+    (root / "data" / "badmeta" / "meta.json").write_text(json.dumps(dict(meta, chars=meta["chars"][:-3])))
+    labels = root / "data" / "shortlabels" / "val_labels.bin"
+    labels.write_bytes(labels.read_bytes()[:-100])
+    shutil.copytree(root / "exported", root / "ckpt-int")
+    weights = root / "ckpt-int" / "model.safetensors"
+    save_file({k: v.to(torch.int32) for k, v in load_file(str(weights)).items()}, str(weights))
 
 
 def snapshot(root):
@@ -152,6 +175,21 @@ CASES = [
     (eval_py, ["--builtin=synthetic", "--temperature=1e999"], "temperature"),
     (bench_kernels, ["--batches=a,b"], "batches"), (bench_kernels, ["--iters=0"], "iters"),
     (bench_kernels, ["--seed=-1"], "seed"),
+    # malformed files: one line at the first command that reads them
+    (eval_py, ["--task=latin1.jsonl"], "task"), (eval_py, ["--task=typo.jsonl"], "max_token"),
+    (train, ["--dataset=badmeta"], "dataset"), (train, ["--dataset=shortlabels"], "dataset"),
+    (sample, ["--ckpt=ckpt-int"], "ckpt"),
+    # a resume is the run it resumes; --eval_only evaluates a checkpoint or refuses
+    (train, ["--init_from=resume", "--prior=geometric"], "prior"),
+    (train, ["--init_from=resume", "--max_iters=50"], "max_iters"),
+    (train, ["--eval_only", "--out_dir=fresh"], "eval_only"),
+    (train, ["--eval_only", "--init_from=scratch"], "init_from"),
+    # a flag that would do nothing
+    (train, ["--ra_method=reinforce"], "ra_method"), (train, ["--cf_thr=0.3"], "cf_thr"),
+    (train, ["--reinforce_k=4"], "reinforce_k"), (sample, ["--mode=ete_ragged", "--depth=2"], "depth"),
+    (sample, ["--temperature=0", "--top_p=0.9"], "top_p"), (eval_py, ["--thresholds=0.3"], "thresholds"),
+    (server, ["--kv_pages=100", "--kv_memory=1.0"], "kv_memory"), (bench, ["--gpu_shape=tiny"], "gpu_shape"),
+    (sample, ["--engine=slots", "--head=shared", "--max_new_tokens=5"], "head"),
 ]
 
 
@@ -188,14 +226,67 @@ def test_help_exits_0_and_lists_every_key(script, flag, capsys):
         assert f"--{key}={default!r}" in out
 
 
-def test_the_engine_file_points_to_the_server_and_the_benchmark():
-    """serve_depthbatch.py is a library now: run as a script it says where serving and its benchmark went."""
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "serve_depthbatch.py", "--ckpt", "out/"], cwd=here, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode != 0 and "python server.py" in r.stderr and "bench.py --what=engine" in r.stderr
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("test_"))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_file_run_as_a_script_answers_help_and_refuses_the_rest(name, monkeypatch, capsys):
+    """Every file at the root, run as a script: --help says what it is (a library module: its concern
+    and the command that uses it) and exits 0; an unknown flag is one `error:` line and exit 2."""
+    import runpy
+    for argv, code in ((["--help"], 0), (["--bogus_flag"], 2)):
+        monkeypatch.setattr("sys.argv", [name] + argv)
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(os.path.join(ROOT, name), run_name="__main__")
+        out, err = capsys.readouterr()
+        assert e.value.code == code, (name, argv, out, err)
+        if code == 0:
+            assert out.strip() and (name in out or "usage:" in out)
+        else:
+            assert len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
+
+
+NEEDS_OF = {"train": train, "eval": eval_py, "server": server, "bench": bench, "sample": sample,
+            "prepare_data": prepare_data}
+UNSET = dict(prior_lambda=0.5, depth=2, prefill_thr=0.4, input="book.txt", tiktoken_file="x.tiktoken")   # for None/""
+
+
+def flags_of(what):
+    """The flags a NEEDS entry asks for, as written in it: '--a=1 --b (why)' or '--x=1 or --x=2' (the first)."""
+    return [f for f in what.split(" or ")[0].split(" (")[0].split() if f.startswith("--")]
+
+
+@pytest.mark.parametrize("name", sorted(NEEDS_OF))
+def test_every_flag_that_needs_another_is_refused_without_it_and_accepted_with_it(name):
+    """Each script's NEEDS table, walked: every key set alone (to its default, or a value when unset)
+    is one error naming it and what it needs; with what it needs, it is accepted."""
+    script = NEEDS_OF[name]
+    assert script.NEEDS and set(script.NEEDS) <= set(script.DEFAULTS)
+
+    def parse(argv):
+        given = set()
+        c = configurator.parse(argv, script.DEFAULTS, script.RULES, given=given,
+                               needs=None if name == "sample" else script.NEEDS)
+        if name == "sample":                          # its mode is resolved first, then NEEDS checked
+            sample.check_args(c, 4, given)
+    for key in script.NEEDS:
+        flag = f"--{key}={UNSET.get(key, script.DEFAULTS[key])}"
+        with pytest.raises(configurator.UserError, match=f"--{key}=.* does nothing without"):
+            parse(unmet(name, key) + [flag])
+        parse(flags_of(script.NEEDS[key][0]) + [flag])
+
+
+def unmet(name, key):
+    """Flags under which a NEEDS key's condition fails where the defaults would meet it."""
+    if name == "bench":
+        return ["--what=" + next(w for w in ("decode", "engine", "train", "gpu") if w not in bench.FOR_WHAT[key])]
+    return {"warmup_iters": ["--decay_lr=False"], "lr_decay_start": ["--decay_lr=False"],
+            "lr_decay_iters": ["--decay_lr=False"], "min_lr": ["--decay_lr=False"], "depth": ["--mode=ete_ragged"],
+            "thr": ["--mode=fixed"], "top_p": ["--temperature=0"], "top_k": ["--temperature=0"],
+            "kv_memory": ["--kv_pages=10"], "input": ["--dataset=synthetic"], "tiktoken_file": ["--dataset=text"],
+            "seed": ["--dataset=text"], "size": ["--dataset=text"], "max_k": ["--dataset=text"],
+            "filler": ["--dataset=hops"]}.get(key, [])
 
 
 def test_torchrun_bad_flag_is_one_line_and_torchrun_names_it(tmp_path):
@@ -221,3 +312,20 @@ def test_sample_says_when_the_context_cuts_max_new_tokens(sandbox, monkeypatch, 
     room = 16 - len("the cat sat")
     assert f"max_new_tokens=100 cut to {room} to fit the context length 16" in err, err
     assert len(samples[0]["text"]) == room
+
+
+def test_the_slot_engine_runs_on_each_scripts_own_defaults(sandbox, monkeypatch, capsys):
+    """--engine=slots with nothing else set (the LM head: the engine's own): sample.py and eval.py run,
+    and give the eager engine's greedy tokens."""
+    monkeypatch.chdir(sandbox)
+    out = {}
+    for engine in ("slots", "eager"):
+        records = sample.main(["--engine=" + engine, "--max_new_tokens=6", "--temperature=0", "--thr=0.5"])
+        out[engine] = [r["tokens"] for r in records]
+        with open("short.jsonl", "w") as f:
+            f.write('{"type": "gen", "prompt": "a=3 b=a", "answer": "3", "extract": "prefix", "max_tokens": 3}\n')
+        runs = eval_py.main(["--engine=" + engine, "--task=short.jsonl", "--temperature=0", "--plots=False",
+                             f"--out=eval-{engine}"])
+        out[engine].append([r["avg_depth"] for r in runs])
+    assert out["slots"] == out["eager"]
+    capsys.readouterr()

@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the proje
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "scheduler", "request", "rows", "checkpoint",
            "tokenizer", "configurator", "server", "objectives", "metrics", "tasks", "slot_engine", "slot_pass",
            "claims", "figures", "report"}
-MAX_FILE, MAX_FUNCTION = 550, 60          # lines: a file is read top to bottom, a function at one glance
+MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce",
            "prepare_data", "export_ouro"}
 

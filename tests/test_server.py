@@ -499,3 +499,51 @@ def test_a_stream_never_shows_what_a_stop_string_removes():
         for i, x in enumerate(texts):
             cuts = [x.find(s) for s in stop if s in x]
             assert choices.texts[i] == (x[:min(cuts)] if cuts else x) == streamed[i], (x, stop)
+
+
+def test_slow_and_idle_clients_cannot_hold_the_server(own_server, monkeypatch):
+    """300 connections from one address that trickle their headers a line every half second take at
+    most the per-address share of the slots (the rest get 503 at once) and are let go at the
+    whole-request deadline; meanwhile a client from another address is answered at once, a query
+    string routes, and a line that is not HTTP gets an HTTP error with its status line."""
+    import server as server_py
+    monkeypatch.setattr(server_py.Handler, "deadline", 3)
+    url = own_server[0]
+    host, port = url[7:].split(":")
+    slow, stop = [], threading.Event()
+    for _ in range(300):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        slow.append(s)
+
+    def trickle():
+        while not stop.is_set():
+            for s in slow:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"X-Slow: 1\r\n")
+            time.sleep(0.5)
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        for path in (b"/health?x=1", b"/v1/models?a=b"):
+            t0 = time.time()
+            with socket.create_connection((host, int(port)), timeout=10, source_address=("127.0.0.2", 0)) as s:
+                s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert s.recv(64).startswith(b"HTTP/1.1 200") and time.time() - t0 < 2, path
+        time.sleep(4)                                             # past the deadline
+    finally:
+        stop.set()
+    answers = []
+    for s in slow:
+        s.settimeout(5)
+        got = b""
+        with contextlib.suppress(OSError):
+            while part := s.recv(4096):
+                got += part
+        answers.append(got[:12])
+        s.close()
+    busy = sum(a.startswith(b"HTTP/1.1 503") for a in answers)
+    assert busy == 300 - server_py.HTTPServer.per_address and answers.count(b"") == server_py.HTTPServer.per_address
+    for line in (b"HELLO\r\n\r\n", b"GET /health\r\n\r\n"):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(line)
+            assert s.recv(64).startswith(b"HTTP/1.1 400"), line

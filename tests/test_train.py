@@ -403,8 +403,30 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_each_iteration_logged_once
     train.main(common + [f"--out_dir={split}", "--init_from=resume"])
     iters = [(r["iter"], "val_loss_fixed" in r) for r in read_log(split)]
     assert len(iters) == len(set(iters)) and iters == [(r["iter"], "val_loss_fixed" in r) for r in read_log(full)]
-    with pytest.raises(UserError, match="--n_embd=64"):        # a resumed run keeps its shape
-        train.main(common + [f"--out_dir={split}", "--init_from=resume", "--max_iters=12", "--n_embd=64"])
+    for flag in ("--n_embd=64", "--max_iters=12", "--prior=geometric", "--global_kl=False"):
+        with pytest.raises(UserError, match=flag):          # a resumed run keeps everything that defines it
+            train.main(common + [f"--out_dir={split}", "--init_from=resume", flag])
+
+
+def test_a_resume_without_flags_continues_the_objective_it_was_started_with(tmp_path, data_dir):
+    """`train.py --prior=geometric --global_kl --stop_iter=4`, then `train.py --init_from=resume` with no
+    other flag: the same log and checkpoint config as the run that was never stopped (objective, prior,
+    schedule, data all from the checkpoint); what a resume may change (RESUME_MAY_CHANGE) it may."""
+    run = TINY + [f"--data_dir={data_dir}", "--max_iters=8", "--eval_interval=4", "--prior=geometric", "--global_kl",
+                  "--ragged_aware", "--ra_method=counterfactual", "--cf_thr=0.3", "--learning_rate=3e-3"]
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    train.main(run + [f"--out_dir={full}"])
+    train.main(run + [f"--out_dir={split}", "--stop_iter=4"])
+    train.main([f"--out_dir={split}", "--init_from=resume", "--log_interval=2"])
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "ms_per_iter"} for r in rs if r["iter"] % 2 == 0]
+    assert strip(read_log(split)) == strip(read_log(full))
+    saved = torch.load(os.path.join(split, "ckpt.pt"), weights_only=True)["config"]
+    assert (saved["prior"], saved["global_kl"], saved["ra_method"], saved["cf_thr"]) == ("geometric", True,
+                                                                                         "counterfactual", 0.3)
+    with pytest.raises(UserError, match="--eval_only evaluates"):
+        train.main([f"--out_dir={tmp_path / 'none'}", "--eval_only"])     # nothing to evaluate: refused
+    record = train.main([f"--out_dir={split}", "--eval_only", f"--data_dir={data_dir}"])
+    assert record["val_loss_fixed"] == read_log(full)[-1]["val_loss_fixed"]     # the checkpoint, not a new model
 
 
 def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_dir, monkeypatch):
