@@ -101,9 +101,10 @@ def row(claim, paper, rule, here, numbers, holds=None, verdict=None):
 
 
 def base_runs(R, data, scope, prior="poisson"):
-    """The trained parents of a dataset, scope and prior (no branch, no flat β), by seed."""
-    prefix = f"{PREFIX[data]}-{scope}-{prior}-s"
-    return [r for n, r in sorted(R.items()) if n.startswith(prefix) and n[len(prefix):].isdigit()]
+    """The trained parents of a dataset, scope and prior (no branch, no flat β), by seed (a dataset
+    of one seed may name its run without it: shk-global-poisson)."""
+    name = f"{PREFIX[data]}-{scope}-{prior}"
+    return [r for n, r in sorted(R.items()) if n == name or n.startswith(name + "-s") and n[len(name) + 2:].isdigit()]
 
 
 def branch_runs(R, data, scope, kind):
@@ -177,7 +178,7 @@ def frontier_claims(R):
     out = []
     for data in ("synthetic", "shakespeare", "pointer", "hops", "graded"):
         kinds = [("", s, base_runs(R, data, s)) for s in ("global", "local")]
-        kinds += [(" after RA", s, branch_runs(R, data, s, "ra-direct")) for s in ("global", "local")]
+        kinds += [("+RA", s, branch_runs(R, data, s, "ra-direct")) for s in ("global", "local")]
         parts, here, verdicts, holds_all = [], [], [], []
         for after, scope, runs in kinds:
             gaps = frontier_gaps(runs) if runs else {}
@@ -203,12 +204,13 @@ def frontier_claims(R):
         if not parts:
             continue
         unit = "accuracy at the answer minus" if data in POINTER_TASKS else "loss minus"
+        short = "accuracy" if data in POINTER_TASKS else "loss"
         rule = (f"holds for a kind of model when, at more than half of the τ values, ETE-Ragged's accuracy gap has "
                 f"its 95% interval above -{NON_INFERIOR} (at most {NON_INFERIOR:.0%} under fixed depths of the same "
                 "compute)" if data in POINTER_TASKS else "holds for a kind of model when, at more than half of the τ "
                 "values, ETE-Ragged's loss gap has its 95% interval below 0")
         out.append(row(f"Ragged at or past the fixed depths' frontier: {data}", "Fig. 1", rule,
-                       f"{unit} envelope, τ 0.5: " + "; ".join(here),
+                       f"{short} gap, τ 0.5: " + "; ".join(here),
                        f"{unit} the fixed depths' envelope at the ragged mode's average depth (seeds, then "
                        f"{'items' if data in POINTER_TASKS else 'held-out windows'} resampled): " + " | ".join(parts),
                        verdict=", ".join(verdicts)))
@@ -289,7 +291,7 @@ def ra_row(data, scope, method, pairs):
         acc = lambda r: r["builtin"]["ete_ragged@0.5"][k]["acc"]
         numbers += (f"; accuracy on {k} look-ups at ETE-Ragged τ 0.5: RA {np.mean([acc(a) for a, _ in pairs]):.2f}, "
                     f"dense {np.mean([acc(b) for _, b in pairs]):.2f}")
-    here = f"RA − dense {ci(value, reps, 4)} nats ({len(pairs)} parents)"
+    here = f"RA − dense {ci(value, reps, 4)} nats ({len(pairs)} parent{'s' if len(pairs) > 1 else ''})"
     if scope == "global":
         rule = "holds when RA minus dense has its 95% interval below 0"
         claim = f"RA lowers the ragged loss beyond the dense continuation: {data}, global, {method}"

@@ -155,7 +155,7 @@ def test_the_frontier_per_dataset_and_scope_loss_and_accuracy():
     [row] = claims.frontier_claims({r["name"]: r for r in runs})
     assert row["claim"].endswith(": synthetic") and row["paper"] == "Fig. 1"
     assert "global yes" in row["verdict"] and "local no" in row["verdict"]
-    assert "global after RA untested (one model)" in row["verdict"] and "4 of 4 τ pass" in row["numbers"]
+    assert "global+RA untested (one model)" in row["verdict"] and "4 of 4 τ pass" in row["numbers"]
     helps = [(0.3, 0.9, 1.0, 1.0)] * 4
     good = [fake_pointer("global", s, 0.5, helps, lambda k: 2.0, ragged_acc=0.9) for s in (1, 2)]
     bad = [fake_pointer("local", s, 0.5, helps, lambda k: 2.0, ragged_acc=0.5) for s in (1, 2)]
