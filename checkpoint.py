@@ -299,10 +299,11 @@ def load_ouro(folder, device="cpu", dtype=None):
 OURO_HUB = "ByteDance/Ouro-1.4B"  # where the published Ouro modeling code lives (for auto_map)
 
 
-def export_ouro(model, folder, meta=None, dtype=torch.bfloat16, force=False):
+def export_ouro(model, folder, meta=None, dtype=None, force=False):
     """Write an Ouro-format folder: config.json (model_type "ouro", an auto_map to the Ouro modeling
-    code on the Hub) + model.safetensors with Ouro's key names. Refuses a model that Ouro's code
-    would run differently, and an existing Ouro folder unless `force`."""
+    code on the Hub) + model.safetensors with Ouro's key names, in `dtype` (None: the model's own).
+    Refuses a model that Ouro's code would run differently, and an existing Ouro folder unless `force`."""
+    dtype = dtype or model.lm_head.weight.dtype
     cfg = model.config
     if not cfg.loop_norm:
         raise UserError("this model was trained without the per-loop norm (loop_norm=False); Ouro's code "

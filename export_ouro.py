@@ -33,9 +33,9 @@ def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     check_writable(c["out"], "out")
     model, ckpt = load_checkpoint(c["ckpt"])
-    dtype = DTYPES[c["dtype"]] or model.lm_head.weight.dtype
-    export_ouro(model, c["out"], ckpt.get("meta"), dtype, c["force"])
-    print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, {dtype})", file=sys.stderr)
+    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"])
+    print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, "
+          f"{c['dtype'] or str(model.lm_head.weight.dtype).replace('torch.', '')})", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -124,9 +124,8 @@ def test_export_import_round_trip_and_refusal(tmp_path):
     torch.manual_seed(int(torch.randint(0, 10_000, ())))
     model = LoopedLM(GPTConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                                ffn_hidden=40, loop_norm=True)).eval()
-    folder = export_ouro(model, str(tmp_path / "exp"), {"tokenizer": "char", "vocab_size": 40,
-                                                         "chars": "".join(chr(97 + i % 26) for i in range(40))},
-                         dtype=torch.float32)
+    folder = export_ouro(model, str(tmp_path / "exp"), {"tokenizer": "char", "vocab_size": 40,    # the model's dtype:
+                                                         "chars": "".join(chr(97 + i % 26) for i in range(40))})
     hf = json.load(open(os.path.join(folder, "config.json")))
     assert hf["model_type"] == "ouro" and hf["total_ut_steps"] == 4 and hf["num_key_value_heads"] == 2
     back, ckpt = load_checkpoint(folder)
