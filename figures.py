@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from claims import POINTER_TASKS, THRS, deepest, graded_runs, replicates, rollouts
+from claims import POINTER_TASKS, THRS, branch_runs, deepest, graded_runs, replicates, rollouts
 
 COLORS = {"local": "tab:blue", "global": "tab:red"}
 
@@ -26,9 +26,10 @@ def draw(results, out, seeds):
     tasks = [[(R.get(f"{prefix}-{s}-poisson-s{s0}"), s) for s in ("local", "global")]
              for prefix, _ in POINTER_TASKS.values()]
     made = []
-    for figure, runs in ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
-                         + [(figure_trace, task) for task in tasks] + [(figure_curves, pair), (figure_difficulty, pair),
-                                                                       (figure_graded, pair)]):
+    figures = ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
+               + [(figure_trace, task) for task in tasks]
+               + [(figure_curves, pair), (figure_flat_beta, pair), (figure_difficulty, pair), (figure_graded, pair)])
+    for figure, runs in figures:
         drawn = figure(plt, R, runs, s0)
         if drawn:
             fig, name, caption = drawn
@@ -124,6 +125,26 @@ def figure_curves(plt, R, pair, s0):
     caption = ("Training curves, Poisson prior: loss, average exit depth, and what loops 2..U gain over loop 1, "
                "with a flat β and the ragged-aware branch (Figures 5, 7)")
     return fig, "training_curves.png", caption
+
+
+def figure_flat_beta(plt, R, pair, s0):
+    """Figure 7 over the training: at each evaluation, what loops 2..U gain over loop 1 with a flat β
+    over what they gain with the schedule, each seed a line, per scope (below 1/2: a collapse)."""
+    gain = lambda c: c["val_loss_fixed"][0] - min(c["val_loss_fixed"][1:])
+    pairs = {s: [(f, R.get(f["name"].rsplit("-flatbeta", 1)[0])) for f in branch_runs(R, "synthetic", s, "flatbeta")]
+             for s in ("global", "local")}
+    if not any(pairs.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, ps in pairs.items():
+        for f, sched in (p for p in ps if p[1]):
+            its = [c["iter"] for c in f["curve"][1:]]
+            ax.plot(its, [gain(a) / gain(b) for a, b in zip(f["curve"][1:], sched["curve"][1:])], "-o", ms=3,
+                    color=COLORS[s], alpha=0.7, label=f"{s} KL" if f is ps[0][0] else None)
+    ax.axhline(0.5, color="gray", ls=":", label="1/2: a collapse")
+    ax.set(xlabel="iteration", ylabel="gain of loops 2..U, flat β / schedule", yscale="log")
+    ax.legend(fontsize=7)
+    return fig, "flat_beta.png", "Flat β against the App. B schedule over the training, each seed a line (Figure 7)"
 
 
 def figure_graded(plt, R, pair, s0):

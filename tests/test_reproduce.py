@@ -285,7 +285,7 @@ def test_the_report_opens_with_one_short_table(tmp_path):
     assert rows[0][4] == "2.000 / 1.800 / 1.700 / 1.650" and rows[0][10] == "0.2%"
     figures = draw(results, str(tmp_path), [1, 2])
     assert {f for f, _ in figures} == {"frontier.png", "exit_fractions.png", "exit_trace.png", "training_curves.png",
-                                       "depth_by_difficulty.png"}
+                                       "depth_by_difficulty.png", "flat_beta.png"}
     for f, _ in figures:
         with open(tmp_path / "figures" / f, "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
