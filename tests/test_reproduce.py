@@ -185,8 +185,10 @@ def test_ragged_aware_rows_test_what_the_paper_predicts_per_scope():
              ("local", 1.7, 1.6, False)]
     for scope, ra, dense, holds in cases:
         runs = ra_pair(scope, 1, ra, dense, seed) + ra_pair(scope, 2, ra, dense, seed + 1)
-        [row] = claims.ra_claims({r["name"]: r for r in runs})
+        row, *rest = claims.ra_claims({r["name"]: r for r in runs})
         assert row["holds"] is holds, (scope, ra, row)
+        # the datasets without branches are still listed, as not run (hops, graded)
+        assert [r["verdict"] for r in rest] == ["untested (not run)"] * 2 and "hops" in rest[0]["claim"]
         assert "(2 parents)" in row["here"] and "RA minus dense, ragged@0.5" in row["numbers"]
     runs = ra_pair("local", 1, 1.6, 1.6, seed)
     assert claims.ra_claims({r["name"]: r for r in runs})[0]["verdict"] == "untested (one model)"
@@ -205,11 +207,14 @@ def test_flat_beta_is_judged_over_the_training_trajectory():
         for flat_gains, holds in (([0.0, 0.01, 0.02, 0.02, 0.3], True), ([0.0, 0.3, 0.3, 0.3, 0.3], None)):
             runs = [curve_run(f"syn-{scope}-poisson-s{s}", scope, s, [0.0, 0.3, 0.3, 0.3, 0.3]) for s in (1, 2)]
             runs += [curve_run(f"syn-{scope}-poisson-s{s}-flatbeta", scope, s, flat_gains) for s in (1, 2)]
-            [row] = claims.flat_beta_claims({r["name"]: r for r in runs})
+            rows = {r["claim"].split("(")[1].split()[0]: r for r in claims.flat_beta_claims({r["name"]: r for r in runs})}
+            row, other = rows[scope], rows["local" if scope == "global" else "global"]
             assert row["holds"] is holds and f"({scope} KL)" in row["claim"]
+            assert other["verdict"] == "untested (not run)" and "flatbeta" in other["numbers"]
             assert row["verdict"] == ("yes" if holds else "not reproduced at this scale")
             assert f"ratio < 1/2 at {3 if holds else 0} of 4 evaluations" in row["here"]
-        assert claims.flat_beta_claims({r["name"]: r for r in runs[::2]})[0]["verdict"] == "untested (one model)"
+        one = claims.flat_beta_claims({r["name"]: r for r in runs[::2]})
+        assert [r["verdict"] for r in one if scope in r["claim"]] == ["untested (one model)"]
 
 
 def test_difficulty_on_synthetic_needs_depth_to_buy_accuracy_first():
@@ -273,7 +278,9 @@ def test_graded_exits_are_judged_against_each_models_need():
     lines = report.graded_tables({r["name"]: r for r in at_need + deep})
     per_k = [l for l in lines if l.count("|") == 8]                 # model, mode, k and four values
     assert len([l for l in per_k if l.startswith("| global | ete_ragged@")]) == 16            # 4 τ x 4 k
-    assert claims.graded_claims({}) == [] and report.graded_tables({}) == []
+    few = claims.graded_claims({r["name"]: r for r in at_need[:4] + deep})[0]
+    assert few["holds"] is None and few["verdict"] == "untested (4+5 seeds, of 5 a scope)"
+    assert claims.graded_claims({})[0]["verdict"] == "untested (not run)" and report.graded_tables({}) == []
 
 
 def test_the_report_opens_with_one_short_table(tmp_path):
