@@ -191,6 +191,9 @@ def run_one(name, spec, c, size, runs):
         args += [f"--branch_from={os.path.join(c['out'], spec['parent'])}"]
     print(f"== {name}: python train.py {' '.join(args)}", file=sys.stderr)
     made, started = provenance(), time.time()
+    if "--init_from=resume" in args:   # the steps before it ran earlier, perhaps with other code: say from where
+        made["resumed_at_iter"] = torch.load(os.path.join(folder, "ckpt.pt"), map_location="cpu",
+                                             weights_only=True)["iter_num"]
     train.main(args)
     made["train_seconds"] = round(time.time() - started, 1)
     with open(os.path.join(folder, "log.jsonl")) as f:
@@ -222,7 +225,7 @@ def run_one(name, spec, c, size, runs):
 def provenance():
     """How a run was made, so that a rerun that differs can be traced: the code's commit (and whether
     the tree had changes) when it started, torch's version, its threads, the CPU (and, once it has
-    trained, the training's wall time)."""
+    trained, the training's wall time, and the step it resumed from if it did)."""
     here = os.path.dirname(os.path.abspath(__file__))
     git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
     cpu = platform.processor() or platform.machine()

@@ -312,6 +312,9 @@ def test_a_run_trained_twice_at_one_commit_gives_the_same_result(tmp_path):
     made = [r.pop("provenance") for r in (a, b)]
     assert a == b and {k for k in made[0]} == {"commit", "dirty", "torch", "threads", "cpu", "train_seconds"}
     assert made[0]["torch"] == torch.__version__ and made[0]["commit"] == made[1]["commit"]
+    os.remove(tmp_path / "b" / "syn-global-poisson-s1337" / "result.json")    # a run resumed from its checkpoint
+    c = reproduce.main(["--quick", f"--out={tmp_path / 'b'}", "--only=syn-global-poisson-s1337", "--plots=False"])[0]
+    assert c.pop("provenance")["resumed_at_iter"] == 16 and c == a              # says so, and changes nothing
 
 
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
