@@ -115,8 +115,9 @@ def grid(c):
             # the control: the same continuation with the dense objective, to tell RA from more training
             runs[f"{prefix}-{scope}-poisson-s{seed}-cont-dense"] = dict(
                 base, args=["--prior=poisson", f"--seed={seed}"] + kl(scope))
-            for method in RA_METHODS[data]:     # reinforce4: REINFORCE with K = 4 samples
-                ra = ["--ra_method=reinforce", "--reinforce_k=4"] if method == "reinforce4" else [f"--ra_method={method}"]
+            for method in RA_METHODS[data]:
+                ra = [f"--ra_method={method}"] if method != "reinforce4" else [  # REINFORCE with K = 4 samples
+                    "--ra_method=reinforce", "--reinforce_k=4"]
                 runs[f"{prefix}-{scope}-poisson-s{seed}-ra-{method}"] = dict(
                     base, ra=method, args=["--prior=poisson", f"--seed={seed}", "--ragged_aware"] + ra + kl(scope))
     for scope in ("local", "global"):

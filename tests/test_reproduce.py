@@ -207,7 +207,8 @@ def test_flat_beta_is_judged_over_the_training_trajectory():
         for flat_gains, holds in (([0.0, 0.01, 0.02, 0.02, 0.3], True), ([0.0, 0.3, 0.3, 0.3, 0.3], None)):
             runs = [curve_run(f"syn-{scope}-poisson-s{s}", scope, s, [0.0, 0.3, 0.3, 0.3, 0.3]) for s in (1, 2)]
             runs += [curve_run(f"syn-{scope}-poisson-s{s}-flatbeta", scope, s, flat_gains) for s in (1, 2)]
-            rows = {r["claim"].split("(")[1].split()[0]: r for r in claims.flat_beta_claims({r["name"]: r for r in runs})}
+            rows = claims.flat_beta_claims({r["name"]: r for r in runs})
+            rows = {r["claim"].split("(")[1].split()[0]: r for r in rows}     # by scope
             row, other = rows[scope], rows["local" if scope == "global" else "global"]
             assert row["holds"] is holds and f"({scope} KL)" in row["claim"]
             assert other["verdict"] == "untested (not run)" and "flatbeta" in other["numbers"]
