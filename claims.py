@@ -491,19 +491,25 @@ def need_of(suite, k, U, margin=0.05):
 
 
 def graded_claims(R):
-    """The graded task, where k is hidden until the chain is followed (tasks._chains in rounds): each
-    model's need per k set on items held apart (builtin_need), then on the judging items, at ETE-Ragged
+    """The graded task, where k is hidden until the chain is followed (tasks._chains in rounds): first
+    whether depth buys accuracy past one look-up at all (the precondition), then each model's need per
+    k set on items held apart (builtin_need), and on the judging items, at ETE-Ragged
     τ 0.5, how far the answer's exit misses the need (|exit depth - need|; its signed overshoot and
     P(exit >= need) beside), global minus local. Declared pairing: the scopes' seeds are drawn apart
     (independent trainings), the items once for both (the same items judge every model)."""
     claim = "Exits follow each model's need more under global than local: graded (k hidden)"
     rule = (f"holds when global minus local |exit − need| has its 95% interval below 0, with at least {GRADED_SEEDS} "
-            "models a scope")
+            "models a scope (tested only where depth buys accuracy past one look-up)")
     runs = {s: [r for r in graded_runs(R, s) if r.get("builtin_need")] for s in ("global", "local")}
     if not all(runs.values()):
         return [not_run(claim, "§4, §6", rule, f"grd-{{global,local}}-poisson-s<seed>, {GRADED_SEEDS} seeds a scope")]
     U = deepest(runs["global"][0]["builtin"])
     levels = sorted(int(k) for k in runs["global"][0]["builtin"]["fixed@1"])
+    # the precondition: depth buys accuracy past one look-up (on the items that set the need); where it
+    # buys nothing, every need is 1 and |exit - need| only asks which scope exits earlier
+    past_one = lambda r, d: np.concatenate([rollouts(r["builtin_need"], f"fixed@{d}", k, "correct")
+                                            for k in levels[1:]])
+    gain, gain_reps = replicates([(past_one(r, U), past_one(r, 1)) for rs in runs.values() for r in rs], np.subtract)
     stats, needs = {"miss": {}, "over": {}, "reach": {}}, {}
     for s, rs in runs.items():
         needs[s] = [[need_of(r["builtin_need"], k, U) for k in levels] for r in rs]
@@ -517,15 +523,19 @@ def graded_claims(R):
             for key, a in stats.items()}
     n = f"{len(runs['global'])}+{len(runs['local'])} seeds"
     scopes = lambda key: ", ".join(f"{s} {stats[key][s].mean():.2f}" for s in runs)
-    numbers = (f"each model's need per k = {'/'.join(map(str, levels))} (items held apart; the shallowest fixed depth "
-               f"within 0.05 of its best): global {needs['global']}, local {needs['local']}; on the judging items, "
+    numbers = (f"precondition, fixed@{U} minus fixed@1 on the items of k ≥ {levels[1]} that set the need (both scopes, "
+               f"items resampled): {ci(gain, gain_reps)} ({GAIN_RULE}); each model's need per k = "
+               f"{'/'.join(map(str, levels))} (items held apart; the shallowest fixed depth within 0.05 of its best): "
+               f"global {needs['global']}, local {needs['local']}; on the judging items, "
                f"ETE-Ragged τ 0.5 ({n}; seeds drawn apart per scope, the items once for both): |exit − need| "
                f"{scopes('miss')}, global minus local {ci(*diff['miss'])}; exit − need {scopes('over')}, global minus "
                f"local {ci(*diff['over'])}; P(exit ≥ need) {scopes('reach')}, global minus local {ci(*diff['reach'])}")
-    here = f"|exit − need| global − local {ci(*diff['miss'])} loops; P(exit ≥ need) {ci(*diff['reach'])} ({n})"
+    here = f"depth buys past k = 1: {ci(gain, gain_reps)}; |exit − need| global − local {ci(*diff['miss'])} ({n})"
     if min(map(len, runs.values())) < GRADED_SEEDS:
-        return [row(claim, "§4, §6", rule, here, numbers, verdict=f"untested ({n}, of {GRADED_SEEDS} a scope)")]
-    return [row(claim, "§4, §6", rule, here, numbers, holds=interval(diff["miss"][1])[1] < 0)]
+        out = row(claim, "§4, §6", rule, here, numbers, verdict=f"untested ({n}, of {GRADED_SEEDS} a scope)")
+    else:
+        out = row(claim, "§4, §6", rule, here, numbers, holds=interval(diff["miss"][1])[1] < 0)
+    return [given_precondition(out, dict(holds=sign_of(gain_reps) > 0 and gain >= 0.1))]
 
 
 def paired_items(a, b, n=N_BOOT, seed=0):

@@ -19,8 +19,9 @@ COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5
 def claims_table(rows):
     """The one-screen table: a line a claim, each cell short (the details follow it)."""
     verdict = lambda c: "**no**" if c["holds"] is False else c["verdict"]
+    cell = lambda text: text.replace("|", "\\|")            # |exit − need| inside a cell, not a new cell
     lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
-    lines += [f"| {c['claim']} | {c['paper']} | {c['here']} | {verdict(c)}{' †' if c['reruns'] else ''} |"
+    lines += [f"| {c['claim']} | {c['paper']} | {cell(c['here'])} | {verdict(c)}{' †' if c['reruns'] else ''} |"
               for c in rows]
     return lines + ["", "† a run behind it was trained twice with the same settings and moved: see its details."]
 

@@ -3,6 +3,7 @@ checks, table and figures on a small hand-made results file."""
 import functools
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -243,10 +244,10 @@ def test_difficulty_on_synthetic_needs_depth_to_buy_accuracy_first():
             assert row["verdict"] == "untested (its precondition fails)"
 
 
-def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
+def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50, needs_depth=True):
     """A graded-task run whose builtin suites hold rollouts: answer depth depth_of_k(k) (rounded at
-    random), right with probability acc_of_k(k); fixed@d right on k look-ups when d >= k (the need: k),
-    on the judging items and on those held apart for the need alike."""
+    random), right with probability acc_of_k(k); fixed@d right on k look-ups when d >= k (the need: k;
+    needs_depth=False: at every depth), on the judging items and on those held apart alike."""
     r = fake_run(f"grd-{scope}-poisson-s{seed}", scope, seed=seed)
     r["data"] = "graded"
     for key in ("builtin", "builtin_need"):
@@ -256,7 +257,7 @@ def fake_graded(scope, seed, depth_of_k, acc_of_k, g, items=50):
             for k in range(1, 5):
                 d = (np.full(items, int(mode[6:])) if mode.startswith("fixed") else
                      np.clip(np.round(depth_of_k(k) + g.normal(0, 0.4, items)), 1, 4)).astype(int)
-                p = (1.0 if d[0] >= k else 0.1) if mode.startswith("fixed") else acc_of_k(k)
+                p = (1.0 if d[0] >= k or not needs_depth else 0.1) if mode.startswith("fixed") else acc_of_k(k)
                 right = g.random(items) < p
                 suite[mode][str(k)] = {"items": items, "acc": float(right.mean()), "answer_depth": float(d.mean()),
                                        "rollouts": {"correct": right.astype(int).tolist(), "answer_depth": d.tolist(),
@@ -279,6 +280,10 @@ def test_graded_exits_are_judged_against_each_models_need():
     lines = report.graded_tables({r["name"]: r for r in at_need + deep})
     per_k = [l for l in lines if l.count("|") == 8]                 # model, mode, k and four values
     assert len([l for l in per_k if l.startswith("| global | ete_ragged@")]) == 16            # 4 τ x 4 k
+    assert "depth buys past k = 1: 0.90" in row["here"]
+    flat = [fake_graded("global", s, lambda k: k, lambda k: 0.9, g, needs_depth=False) for s in range(5)]
+    flat += [fake_graded("local", s, lambda k: 4.0, lambda k: 0.9, g, needs_depth=False) for s in range(5)]
+    assert claims.graded_claims({r["name"]: r for r in flat})[0]["verdict"] == "untested (its precondition fails)"
     few = claims.graded_claims({r["name"]: r for r in at_need[:4] + deep})[0]
     assert few["holds"] is None and few["verdict"] == "untested (4+5 seeds, of 5 a scope)"
     assert claims.graded_claims({})[0]["verdict"] == "untested (not run)" and report.graded_tables({}) == []
@@ -300,8 +305,11 @@ def test_the_report_opens_with_one_short_table(tmp_path):
     report.write_results(results, str(tmp_path), "quick", "setup", figures)
     text = (tmp_path / "RESULTS.md").read_text()
     table = text.split("| claim | paper | here: 95% interval (seeds) | verdict |")[1].split("\n\n")[0]
-    cells = [c.strip() for line in table.strip().splitlines()[1:] for c in line.strip("|").split("|")]
-    assert cells and max(map(len, cells)) <= 160
+    lines = [re.split(r"(?<!\\)\|", line.strip().strip("|")) for line in table.strip().splitlines()[1:]]
+    cells = [c.strip() for line in lines for c in line]
+    assert cells and max(map(len, cells)) <= 160 and {len(line) for line in lines} == {4}   # four cells a line
+    piped = dict(claims.row("c", "p", "r", "|exit − need| 0.1", "n", holds=True), reruns="")
+    assert report.claims_table([piped])[2] == "| c | p | \\|exit − need\\| 0.1 | yes |"     # a bar in a cell, escaped
     assert text.index("| claim |") < text.index("## Each claim") < text.index("## Every run") < text.index("![")
 
 
