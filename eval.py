@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script, write_json
-from configurator import (DTYPES, SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, run_cli,
-                          set_threads)
+from configurator import (DTYPES, SAMPLING_NEEDS, SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule,
+                          parse, run_cli, set_threads)
 from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
@@ -87,9 +87,8 @@ RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_ite
              "expected comma-separated positive integers")
 # the keys that act only with another setting: refused without it (they would do nothing)
 builtin = ("--builtin=synthetic (or another suite)", lambda c: c["builtin"])
-sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
 NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin, builtin_max_k=builtin,
-             lm_eval_include=("--lm_eval=TASKS", lambda c: c["lm_eval"]), top_p=sampled, top_k=sampled)
+             lm_eval_include=("--lm_eval=TASKS", lambda c: c["lm_eval"]), **SAMPLING_NEEDS)
 
 
 # ----------------------------------------------------------------------------- modes

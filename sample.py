@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script
-from configurator import (DTYPES, SEED_RULE, THREADS_RULE, UserError, check_needs, device_rule, parse, run_cli,
-                          set_threads)
+from configurator import (DTYPES, SAMPLING_NEEDS, SEED_RULE, THREADS_RULE, UserError, check_needs, device_rule,
+                          parse, run_cli, set_threads)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
@@ -75,10 +75,9 @@ RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]",
              head=["auto"] + HEADS, engine=ENGINES, dtype=list(DTYPES), threads=THREADS_RULE)
 # the keys that act only with another setting (mode: as resolved, see check_args): refused without it
 prefill = ("--mode=ete_ragged (or collapse_kv)", lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
-sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
              thr=("--mode=dense_ragged (any mode but fixed)", lambda c: c["mode"] != "fixed"),
-             prefill_thr=prefill, prefill_schedule=prefill, prefix_full=prefill, top_k=sampled, top_p=sampled)
+             prefill_thr=prefill, prefill_schedule=prefill, prefix_full=prefill, **SAMPLING_NEEDS)
 
 
 def check_args(c, U, given):
