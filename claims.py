@@ -95,12 +95,14 @@ def spread_note(groups, stat=None, paired=True):
     return f"{len(groups)} seeds" + (", the seeds' spread sets it" if share >= 0.5 else "")
 
 
-def row(claim, paper, rule, here, numbers, holds=None, verdict=None):
+def row(claim, paper, rule, here, numbers, holds=None, verdict=None, runs=()):
     """A claim as the report shows it: the claim, the paper's figure, the one-line numbers (`here`),
-    the verdict (holds True: yes, False: no; else `verdict`), the rule, the full numbers."""
+    the verdict (holds True: yes, False: no; else `verdict`), the rule, the full numbers, and the
+    names of the runs behind it (for their reruns and provenance)."""
     holds = None if holds is None else bool(holds)
     verdict = {True: "yes", False: "no"}.get(holds) or verdict
-    return dict(claim=claim, paper=paper, rule=rule, here=here, numbers=numbers, holds=holds, verdict=verdict)
+    return dict(claim=claim, paper=paper, rule=rule, here=here, numbers=numbers, holds=holds, verdict=verdict,
+                runs=sorted({r["name"] for r in runs}))
 
 
 def not_run(claim, paper, rule, runs):
@@ -188,11 +190,12 @@ def frontier_claims(R):
     for data in ("synthetic", "shakespeare", "pointer", "hops", "graded"):
         kinds = [("", s, base_runs(R, data, s)) for s in ("global", "local")]
         kinds += [("+RA", s, branch_runs(R, data, s, "ra-direct")) for s in ("global", "local")]
-        parts, here, verdicts, holds_all = [], [], [], []
+        parts, here, verdicts, holds_all, used = [], [], [], [], []
         for after, scope, runs in kinds:
             gaps = frontier_gaps(runs) if runs else {}
             if not gaps:
                 continue
+            used += runs
             acc = next(iter(gaps.values()))[1] is accuracy_gap
             passed, cells = 0, []
             for mode, (groups, stat) in gaps.items():
@@ -222,7 +225,7 @@ def frontier_claims(R):
                        f"{short} gap, τ 0.5: " + "; ".join(here),
                        f"{unit} the fixed depths' envelope at the ragged mode's average depth (seeds, then "
                        f"{'items' if data in POINTER_TASKS else 'held-out windows'} resampled): " + " | ".join(parts),
-                       verdict=", ".join(verdicts)))
+                       verdict=", ".join(verdicts), runs=used))
     return out
 
 
@@ -235,7 +238,9 @@ def jump_claims(R):
     rule = ("holds when global minus local has its 95% interval (seeds resampled) above 2 points and global's mean "
             "is at least 3x local's")
     for data in ("synthetic", "shakespeare", "pointer", "hops", "graded"):
-        rates = {s: [r["final"]["large_jump_rate"] for r in base_runs(R, data, s)] for s in ("global", "local")}
+        runs = {s: base_runs(R, data, s) for s in ("global", "local")}
+        rates = {s: [r["final"]["large_jump_rate"] for r in rs] for s, rs in runs.items()}
+        runs = runs["global"] + runs["local"]
         if not all(rates.values()):
             continue
         g, l = np.mean(rates["global"]), np.mean(rates["local"])
@@ -246,14 +251,14 @@ def jump_claims(R):
         if min(map(len, rates.values())) < 2:
             out.append(row(f"Global gives many large jumps, local almost none: {data}", "§6, Fig. 5", rule,
                            f"global {100 * g:.1f}%, local {100 * l:.1f}% ({n})", numbers + "; one seed: no interval",
-                           verdict="untested (one model)"))
+                           verdict="untested (one model)", runs=runs))
             continue
         reps = boot_diff(rates["global"], rates["local"])
         diff = ci(100 * (g - l), 100 * reps, 1)
         holds = interval(reps)[0] > 0.02 and g >= 3 * l
         out.append(row(f"Global gives many large jumps, local almost none: {data}", "§6, Fig. 5", rule,
                        f"global − local {diff} points ({n}, the seeds' spread sets it)",
-                       numbers + f"; global minus local {diff} points", holds=holds))
+                       numbers + f"; global minus local {diff} points", holds=holds, runs=runs))
     return out
 
 
@@ -291,6 +296,7 @@ def ra_claims(R):
 
 
 def ra_row(data, scope, method, pairs):
+    runs = [r for pair in pairs for r in pair]
     groups = [(a["windows"]["ragged"]["0.5"], b["windows"]["ragged"]["0.5"]) for a, b in pairs]
     value, reps = replicates(groups, np.subtract)
     lo, hi = interval(reps)
@@ -317,10 +323,11 @@ def ra_row(data, scope, method, pairs):
         holds = (-margin < lo and hi < margin) or (False if hi < -margin or lo > margin else None)
         here += f"; margin ±{margin:.4f}"
         if len(pairs) > 1 and holds is None:
-            return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (its interval crosses the margin)")
+            return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (its interval crosses the margin)",
+                       runs=runs)
     if len(pairs) == 1:
-        return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (one model)")
-    return row(claim, "§5, Table 5", rule, here, numbers, holds=holds)
+        return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (one model)", runs=runs)
+    return row(claim, "§5, Table 5", rule, here, numbers, holds=holds, runs=runs)
 
 
 # ----------------------------------------------------------------------------- flat β (Figure 7)
@@ -359,11 +366,13 @@ def flat_beta_claims(R):
         here = (f"ratio < 1/2 at {below} of {evals - 1} evaluations; at the end {cells[-1].split(': ')[1]} "
                 f"({len(pairs)} seeds)")
         if len(pairs) == 1:
-            out.append(row(claim, "Fig. 7", rule, here, numbers, verdict="untested (one model)"))
+            out.append(row(claim, "Fig. 7", rule, here, numbers, verdict="untested (one model)",
+                           runs=[r for pair in pairs for r in pair]))
         else:
             holds = below > (evals - 1) / 2
             out.append(row(claim, "Fig. 7", rule, here, numbers, holds=True if holds else None,
-                           verdict=None if holds else "not reproduced at this scale"))
+                           verdict=None if holds else "not reproduced at this scale",
+                           runs=[r for pair in pairs for r in pair]))
     return out
 
 
@@ -402,7 +411,8 @@ def difficulty_claims(R):
     with_acc = [r for s in runs for r in runs[s] if "label_correct" in r["windows"]]
     claim = "Exits rise with the next token's difficulty, more under global than local: synthetic"
     if not with_acc:
-        return [row(claim, "§6, Fig. 12", RISE_RULE, "no per-label accuracy", "", verdict="untested (no interval)")]
+        return [row(claim, "§6, Fig. 12", RISE_RULE, "no per-label accuracy", "", verdict="untested (no interval)",
+                    runs=runs["global"] + runs["local"])]
     U = len(with_acc[0]["final"]["val_loss_fixed"])
     groups = [(correct(r, 4, U - 1), correct(r, 4, 0), tokens(r, 4)) for r in with_acc]
     acc = lambda a, b, n: (a - b) / n
@@ -416,7 +426,8 @@ def difficulty_claims(R):
                f"held-out windows): {ci(value, reps)} ({GAIN_RULE}); ETE-Ragged τ 0.5, mean depth before difficulty 4 "
                f"minus 1 ({len(runs['global'])}+{len(runs['local'])} seeds): {text}")
     out = row(claim, "§6, Fig. 12", RISE_RULE, f"depth buys accuracy on the hardest: {ci(value, reps)}; rise, global "
-              f"− local {text.split('global minus local ')[1]}", numbers, holds=holds)
+              f"− local {text.split('global minus local ')[1]}", numbers, holds=holds,
+              runs=runs["global"] + runs["local"])
     return [given_precondition(out, need)]
 
 
@@ -437,7 +448,9 @@ def pointer_claims(R):
 
 
 def pointer_prior_claims(R, data, prior):
-    suites = {s: [r["builtin"] for r in base_runs(R, data, s, prior) if r.get("builtin")] for s in ("local", "global")}
+    runs = {s: [r for r in base_runs(R, data, s, prior) if r.get("builtin")] for s in ("local", "global")}
+    suites = {s: [r["builtin"] for r in rs] for s, rs in runs.items()}
+    runs = runs["global"] + runs["local"]
     if not all(suites.values()):
         return []
     name = f"{POINTER_TASKS[data][1]}, {prior.capitalize()}"
@@ -448,7 +461,7 @@ def pointer_prior_claims(R, data, prior):
     claim = f"The answer's exit depth rises with k, more under global than local: {name} (k visible)"
     n = f"{len(suites['global'])}+{len(suites['local'])} seeds"
     if not all(items.values()):
-        return [row(claim, "§6", RISE_RULE, f"no rollouts ({n})", "", verdict="untested (no interval)")]
+        return [row(claim, "§6", RISE_RULE, f"no rollouts ({n})", "", verdict="untested (no interval)", runs=runs)]
     groups = [(rollouts(b, f"fixed@{U}", hard, "correct"), rollouts(b, "fixed@1", hard, "correct"))
               for s in items for b in items[s]]
     gain, reps = replicates(groups, np.subtract)
@@ -462,7 +475,7 @@ def pointer_prior_claims(R, data, prior):
                f"{table('local')}; the answer's exit depth at k={hard} minus k={lo}, ETE-Ragged τ 0.5: {text}; "
                "Spearman only measures how well the levels separate, and k shows in the item's length")
     out = row(claim, "§6", RISE_RULE, f"depth buys: {ci(gain, reps)}; rise global − local "
-              f"{text.split('global minus local ')[1]} ({n})", numbers, holds=holds)
+              f"{text.split('global minus local ')[1]} ({n})", numbers, holds=holds, runs=runs)
     return [given_precondition(out, need)]
 
 
@@ -531,10 +544,11 @@ def graded_claims(R):
                f"{scopes('miss')}, global minus local {ci(*diff['miss'])}; exit − need {scopes('over')}, global minus "
                f"local {ci(*diff['over'])}; P(exit ≥ need) {scopes('reach')}, global minus local {ci(*diff['reach'])}")
     here = f"depth buys past k = 1: {ci(gain, gain_reps)}; |exit − need| global − local {ci(*diff['miss'])} ({n})"
+    used = runs["global"] + runs["local"]
     if min(map(len, runs.values())) < GRADED_SEEDS:
-        out = row(claim, "§4, §6", rule, here, numbers, verdict=f"untested ({n}, of {GRADED_SEEDS} a scope)")
+        out = row(claim, "§4, §6", rule, here, numbers, verdict=f"untested ({n}, of {GRADED_SEEDS} a scope)", runs=used)
     else:
-        out = row(claim, "§4, §6", rule, here, numbers, holds=interval(diff["miss"][1])[1] < 0)
+        out = row(claim, "§4, §6", rule, here, numbers, holds=interval(diff["miss"][1])[1] < 0, runs=used)
     return [given_precondition(out, dict(holds=sign_of(gain_reps) > 0 and gain >= 0.1))]
 
 
@@ -557,7 +571,8 @@ def claims(results):
     R = {r["name"]: r for r in results}
     out = (frontier_claims(R) + jump_claims(R) + ra_claims(R) + flat_beta_claims(R) + difficulty_claims(R)
            + pointer_claims(R) + graded_claims(R))
-    return [dict(c, reruns=rerun_note(R, c)) for c in out]
+    return [dict(c, reruns=rerun_note(R, c), untraced=[n for n in c["runs"] if not R[n].get("provenance")])
+            for c in out]
 
 
 def rerun_note(R, claim):
@@ -565,17 +580,12 @@ def rerun_note(R, claim):
     result.json's `earlier`): the largest change of ragged@0.5 and of the best fixed depth."""
     moved = [(abs(r["final"]["val_loss_ragged"]["0.5"] - e["final"]["val_loss_ragged"]["0.5"]),
               abs(min(r["final"]["val_loss_fixed"]) - min(e["final"]["val_loss_fixed"])), r["name"])
-             for r in R.values() for e in r.get("earlier", []) if used_by(r, claim)]
+             for r in map(R.get, claim["runs"]) for e in r.get("earlier", [])]
     if not moved:
         return ""
     rag, _, name = max(moved)
     return (f"reruns moved ragged@0.5 by up to {rag:.3f} nats ({name}), the best fixed depth by up to "
             f"{max(m[1] for m in moved):.3f}")
-
-
-def used_by(r, claim):
-    data = r["data"]
-    return f": {data}" in claim["claim"] or (data == "synthetic" and "synthetic" in claim["claim"])
 
 
 if __name__ == "__main__":

@@ -21,17 +21,22 @@ def claims_table(rows):
     verdict = lambda c: "**no**" if c["holds"] is False else c["verdict"]
     cell = lambda text: text.replace("|", "\\|")            # |exit − need| inside a cell, not a new cell
     lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
-    lines += [f"| {c['claim']} | {c['paper']} | {cell(c['here'])} | {verdict(c)}{' †' if c['reruns'] else ''} |"
-              for c in rows]
-    return lines + ["", "† a run behind it was trained twice with the same settings and moved: see its details."]
+    marks = lambda c: (" †" if c["reruns"] else "") + (" ‡" if c["untraced"] else "")
+    lines += [f"| {c['claim']} | {c['paper']} | {cell(c['here'])} | {verdict(c)}{marks(c)} |" for c in rows]
+    return lines + ["", "† a run behind it was trained twice with the same settings and moved: see its details. "
+                    "‡ a run behind it records no provenance (trained before result.json kept how a run was made): "
+                    "see its details."]
 
 
 def claim_details(rows):
-    """Per claim: the rule, every number behind the verdict, and how far reruns moved."""
+    """Per claim: the rule, every number behind the verdict, how far reruns moved, and which of its runs
+    record no provenance."""
     lines = ["## Each claim", ""]
     for c in rows:
+        notes = ([c["reruns"][0].upper() + c["reruns"][1:]] if c["reruns"] else []) + \
+            ([f"Runs that record no provenance: {', '.join(c['untraced'])}"] if c["untraced"] else [])
         lines += [f"**{c['claim']}** ({c['paper']}). Rule: {c['rule']}. Verdict: {c['verdict']}.", "",
-                  c["numbers"] + (f". {c['reruns'][0].upper()}{c['reruns'][1:]}." if c["reruns"] else ""), ""]
+                  c["numbers"] + "".join(f". {n}" for n in notes) + ("." if notes else ""), ""]
     return lines
 
 

@@ -374,7 +374,9 @@ def main(argv):
              f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
              f"{SIZES[size]['branch_seeds']} seed(s) for {SIZES[size]['branch_iters']} steps. Losses are validation "
              "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
-             "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time).")
+             "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time)"
+             + (f", but for {untraced} run(s) trained before it did (‡ in the claims, no training time below)."
+                if (untraced := sum(not r.get("provenance") for r in results)) else "."))
     notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
     with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
         write_results(results, c["out"], size, setup, figures, f.read() if f else None)
