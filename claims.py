@@ -238,9 +238,9 @@ def jump_claims(R):
     rule = ("holds when global minus local has its 95% interval (seeds resampled) above 2 points and global's mean "
             "is at least 3x local's")
     for data in ("synthetic", "shakespeare", "pointer", "hops", "graded"):
-        runs = {s: base_runs(R, data, s) for s in ("global", "local")}
-        rates = {s: [r["final"]["large_jump_rate"] for r in rs] for s, rs in runs.items()}
-        runs = runs["global"] + runs["local"]
+        by_scope = {s: base_runs(R, data, s) for s in ("global", "local")}
+        rates = {s: [r["final"]["large_jump_rate"] for r in rs] for s, rs in by_scope.items()}
+        runs = by_scope["global"] + by_scope["local"]
         if not all(rates.values()):
             continue
         g, l = np.mean(rates["global"]), np.mean(rates["local"])
@@ -296,7 +296,6 @@ def ra_claims(R):
 
 
 def ra_row(data, scope, method, pairs):
-    runs = [r for pair in pairs for r in pair]
     groups = [(a["windows"]["ragged"]["0.5"], b["windows"]["ragged"]["0.5"]) for a, b in pairs]
     value, reps = replicates(groups, np.subtract)
     lo, hi = interval(reps)
@@ -322,12 +321,9 @@ def ra_row(data, scope, method, pairs):
         claim = f"RA changes the local model little: {data}, local, {method}"
         holds = (-margin < lo and hi < margin) or (False if hi < -margin or lo > margin else None)
         here += f"; margin ±{margin:.4f}"
-        if len(pairs) > 1 and holds is None:
-            return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (its interval crosses the margin)",
-                       runs=runs)
-    if len(pairs) == 1:
-        return row(claim, "§5, Table 5", rule, here, numbers, verdict="untested (one model)", runs=runs)
-    return row(claim, "§5, Table 5", rule, here, numbers, holds=holds, runs=runs)
+    verdict = "untested (one model)" if len(pairs) == 1 else "untested (its interval crosses the margin)"
+    return row(claim, "§5, Table 5", rule, here, numbers, holds=holds if len(pairs) > 1 else None, verdict=verdict,
+               runs=[r for pair in pairs for r in pair])
 
 
 # ----------------------------------------------------------------------------- flat β (Figure 7)
@@ -365,14 +361,10 @@ def flat_beta_claims(R):
                    "schedule")
         here = (f"ratio < 1/2 at {below} of {evals - 1} evaluations; at the end {cells[-1].split(': ')[1]} "
                 f"({len(pairs)} seeds)")
-        if len(pairs) == 1:
-            out.append(row(claim, "Fig. 7", rule, here, numbers, verdict="untested (one model)",
-                           runs=[r for pair in pairs for r in pair]))
-        else:
-            holds = below > (evals - 1) / 2
-            out.append(row(claim, "Fig. 7", rule, here, numbers, holds=True if holds else None,
-                           verdict=None if holds else "not reproduced at this scale",
-                           runs=[r for pair in pairs for r in pair]))
+        holds = len(pairs) > 1 and below > (evals - 1) / 2
+        out.append(row(claim, "Fig. 7", rule, here, numbers, holds=True if holds else None,
+                       verdict="untested (one model)" if len(pairs) == 1 else "not reproduced at this scale",
+                       runs=[r for pair in pairs for r in pair]))
     return out
 
 
@@ -448,9 +440,9 @@ def pointer_claims(R):
 
 
 def pointer_prior_claims(R, data, prior):
-    runs = {s: [r for r in base_runs(R, data, s, prior) if r.get("builtin")] for s in ("local", "global")}
-    suites = {s: [r["builtin"] for r in rs] for s, rs in runs.items()}
-    runs = runs["global"] + runs["local"]
+    by_scope = {s: [r for r in base_runs(R, data, s, prior) if r.get("builtin")] for s in ("local", "global")}
+    suites = {s: [r["builtin"] for r in rs] for s, rs in by_scope.items()}
+    runs = by_scope["global"] + by_scope["local"]
     if not all(suites.values()):
         return []
     name = f"{POINTER_TASKS[data][1]}, {prior.capitalize()}"

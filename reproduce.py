@@ -369,6 +369,7 @@ def main(argv):
             results.append(json.load(f))
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
+    untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
     setup = (f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
              f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
              f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
@@ -376,7 +377,7 @@ def main(argv):
              "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
              "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time)"
              + (f", but for {untraced} run(s) trained before it did (‡ in the claims, no training time below)."
-                if (untraced := sum(not r.get("provenance") for r in results)) else "."))
+                if untraced else "."))
     notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
     with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
         write_results(results, c["out"], size, setup, figures, f.read() if f else None)
