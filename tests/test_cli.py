@@ -4,6 +4,9 @@ import hashlib
 import json
 import os
 import re
+import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -234,9 +237,6 @@ FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and not f.starts
 def test_every_file_run_as_a_script_answers_help_and_refuses_the_rest(name, monkeypatch, capsys):
     """Every file at the root, run as a script: --help says what it is (a library module: its concern
     and the command that uses it) and exits 0; an unknown flag is one `error:` line and exit 2."""
-    import runpy
-    import subprocess
-    import sys
     path = os.path.join(ROOT, name)
     with open(path) as f:   # a file that registers a torch operator runs in its own process: registering
         own_process = "torch.library" in f.read()   # it again here would free the one the tests call
@@ -301,11 +301,8 @@ def unmet(name, key):
 def test_torchrun_bad_flag_is_one_line_and_torchrun_names_it(tmp_path):
     """Under torchrun every rank fails alike: the line is printed once (rank 0), and torchrun's own
     failure report that follows names it as each rank's cause instead of "<N/A>"."""
-    import subprocess
-    import sys
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(here, "train.py"), "--n_layer=abc"], capture_output=True, text=True,
+                        os.path.join(ROOT, "train.py"), "--n_layer=abc"], capture_output=True, text=True,
                        timeout=120, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
     line = "error: --n_layer='abc': expected int (default 2)"
     assert r.returncode != 0 and r.stderr.splitlines().count(line) == 1, r.stderr[-2000:]
