@@ -112,10 +112,9 @@ def not_run(claim, paper, rule, runs):
 
 
 def base_runs(R, data, scope, prior="poisson"):
-    """The trained parents of a dataset, scope and prior (no branch, no flat β), by seed (a dataset
-    of one seed may name its run without it: shk-global-poisson)."""
-    name = f"{PREFIX[data]}-{scope}-{prior}"
-    return [r for n, r in sorted(R.items()) if n == name or n.startswith(name + "-s") and n[len(name) + 2:].isdigit()]
+    """The trained parents of a dataset, scope and prior (no branch, no flat β), by seed."""
+    name = f"{PREFIX[data]}-{scope}-{prior}-s"
+    return [r for n, r in sorted(R.items()) if n.startswith(name) and n[len(name):].isdigit()]
 
 
 def branch_runs(R, data, scope, kind):

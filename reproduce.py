@@ -15,18 +15,18 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
     the same continuation with the dense objective (RA or just more training?);
   - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global and local Poisson;
   - synthetic data (difficulty labels) for the whole grid, shakespeare_char for the local/global
-    Poisson pair (--input, a local copy of tiny shakespeare);
+    Poisson pair, on the first 3 seeds (--input, a local copy of tiny shakespeare);
   - the pointer task (k look-ups that can only start once the query is read): local vs global with
     the Poisson and the uniform prior (the best global run of the synthetic grid), --seeds seeds
     each, with the builtin pointer suite's accuracy and answer depth per k at fixed@1..U and
     ETE-Ragged (greedy);
   - the same on the hops task (the pointer items with one token per fact, one and two look-ups),
     with a block of one layer, 256 wide: the smallest setting found where depth buys accuracy (a
-    look-up a loop); ragged-aware (direct) and the dense continuation from the first seed's runs;
+    look-up a loop); ragged-aware (direct) and the dense continuation from the first 3 seeds' runs;
   - the graded task (hops facts, every item one chain of each length 1..4, two queries each labelled
     with its chain's length: the difficulty is hidden until the chain is followed), the hops model,
     local vs global with the Poisson prior, 5 seeds each; ragged-aware (direct) and the dense
-    continuation from the first seed's runs. Reported per k, with bootstrap intervals: the answer's
+    continuation from the first 3 seeds' runs. Reported per k, with bootstrap intervals: the answer's
     exit depth, P(exit >= k), accuracy at the exit, Σ e over the item, and accuracy against compute
     for every fixed depth and threshold.
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
@@ -59,7 +59,7 @@ DEFAULTS = dict(
     full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
     out="",                # runs, RESULTS.md, figures/ ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
-    seeds=3,               # seeds of the Poisson pairs (pointer, uniform: the first two; the rest: the first)
+    seeds=3,               # seeds of the Poisson pairs (pointer, uniform: the first two; geometric: the first)
     seed=1337,             # the first seed
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
@@ -126,8 +126,9 @@ def grid(c):
                 runs[f"syn-{scope}-{prior}-s{seed}"] = dict(data="synthetic", scope=scope, prior=prior, seed=seed,
                                                             args=[f"--prior={prior}", f"--seed={seed}"] + kl(scope))
         branches("syn", "synthetic", scope)
-        runs[f"shk-{scope}-poisson"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seeds[0],
-                                            args=["--prior=poisson", f"--seed={seeds[0]}"] + kl(scope))
+        for seed in parents:                  # real text: the Poisson pair on as many seeds as the branches
+            runs[f"shk-{scope}-poisson-s{seed}"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seed,
+                                                        args=["--prior=poisson", f"--seed={seed}"] + kl(scope))
         for data, (prefix, _) in POINTER_TASKS.items():
             graded = [c["seed"] + i for i in range(size["task_seeds"])]
             task_seeds = {"graded": graded, "hops": seeds}.get(data, seeds[:2])
@@ -370,6 +371,7 @@ def main(argv):
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
     untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
+    missing = [n for n in runs if not finished(n)]
     setup = (f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
              f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
              f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
@@ -377,7 +379,9 @@ def main(argv):
              "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
              "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time)"
              + (f", but for {untraced} run(s) trained before it did (‡ in the claims, no training time below)."
-                if untraced else "."))
+                if untraced else ".")
+             + (f" {len(missing)} run(s) of the grid are not finished yet ({', '.join(missing)}): their claims rest on "
+                "the runs that are." if missing else ""))
     notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
     with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
         write_results(results, c["out"], size, setup, figures, f.read() if f else None)

@@ -418,7 +418,11 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     with open(branch_path, "w") as f:
         json.dump(branch, f)
     os.remove(os.path.join(out, "RESULTS.md"))
+    shk = os.path.join(out, "shk-local-poisson-s1337")
+    os.rename(os.path.join(shk, "result.json"), os.path.join(shk, "result.json.away"))    # a run not finished
     reproduce.main(["--quick", f"--out={out}", "--report", "--plots=False"])
+    assert "not finished yet" not in text and "1 run(s) of the grid are not finished yet (shk-local-poisson-s1337)" \
+        in open(os.path.join(out, "RESULTS.md")).read()
     again = json.load(open(os.path.join(out, "grd-global-poisson-s1337-ra-direct", "result.json")))
     assert len(again["windows"]["fixed"]) == 16 and json.load(open(branch_path))["windows"]["labels"] == labels
     assert os.path.isfile(os.path.join(out, "RESULTS.md"))
