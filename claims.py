@@ -568,11 +568,12 @@ def claims(results):
 
 def rerun_note(R, claim):
     """How far the runs behind a claim moved when trained again with the same settings (their
-    result.json's `earlier`): the largest change of ragged@0.5 and of the best fixed depth."""
+    result.json's `earlier`): the largest change of ragged@0.5 and of the best fixed depth. A rerun
+    that gave the same numbers to the 0.001 nats the report prints did not move: nothing to say."""
     moved = [(abs(r["final"]["val_loss_ragged"]["0.5"] - e["final"]["val_loss_ragged"]["0.5"]),
               abs(min(r["final"]["val_loss_fixed"]) - min(e["final"]["val_loss_fixed"])), r["name"])
              for r in map(R.get, claim["runs"]) for e in r.get("earlier", [])]
-    if not moved:
+    if not moved or max(max(m[:2]) for m in moved) < 0.0005:
         return ""
     rag, _, name = max(moved)
     return (f"reruns moved ragged@0.5 by up to {rag:.3f} nats ({name}), the best fixed depth by up to "

@@ -325,6 +325,8 @@ def test_each_claim_names_its_runs_their_reruns_and_missing_provenance():
     rerun = R["syn-global-poisson-s1"]
     moved = dict(rerun["final"], val_loss_ragged={"0.5": 1.63}, val_loss_fixed=[2.0, 1.8, 1.7, 1.6])
     rerun["earlier"] = [{"final": moved}]
+    flat_run = R["syn-global-poisson-s1-flatbeta"]
+    flat_run["earlier"] = [{"final": dict(flat_run["final"])}]        # trained twice, the same numbers
     del R["syn-local-poisson-s2"]["provenance"]
     rows = {c["claim"]: c for c in claims.claims(results)}
     flat, jumps = rows["A flat β = 0.1 collapses the loops after the first (global KL)"], \
@@ -333,6 +335,7 @@ def test_each_claim_names_its_runs_their_reruns_and_missing_provenance():
     assert flat["reruns"] == ("reruns moved ragged@0.5 by up to 0.030 nats (syn-global-poisson-s1), the best fixed "
                               "depth by up to 0.050") and flat["untraced"] == []
     assert jumps["untraced"] == ["syn-local-poisson-s2"] and jumps["reruns"]
+    assert claims.rerun_note(R, dict(flat, runs=["syn-global-poisson-s1-flatbeta"])) == ""  # did not move: no †
     for c in rows.values():       # every mark is the runs' own: the uniform run is behind no claim
         assert "syn-global-uniform-s1" not in c["runs"]
         assert bool(c["untraced"]) == ("syn-local-poisson-s2" in c["runs"])
