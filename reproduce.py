@@ -56,7 +56,7 @@ from tokenizer import load_tokenizer
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
-    full=False,            # the real figures: about 15 minutes per run on 2 CPU cores
+    full=False,            # the real figures: 18-24 minutes a run, two at a time on 2 CPU cores (hops 30-48)
     out="",                # runs, RESULTS.md, figures/ ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
     seeds=3,               # seeds of the Poisson pairs (pointer, uniform: the first two; geometric: the first)
