@@ -573,11 +573,12 @@ def rerun_note(R, claim):
     moved = [(abs(r["final"]["val_loss_ragged"]["0.5"] - e["final"]["val_loss_ragged"]["0.5"]),
               abs(min(r["final"]["val_loss_fixed"]) - min(e["final"]["val_loss_fixed"])), r["name"])
              for r in map(R.get, claim["runs"]) for e in r.get("earlier", [])]
-    if not moved or max(max(m[:2]) for m in moved) < 0.0005:
+    if not moved:
         return ""
-    rag, _, name = max(moved)
-    return (f"reruns moved ragged@0.5 by up to {rag:.3f} nats ({name}), the best fixed depth by up to "
-            f"{max(m[1] for m in moved):.3f}")
+    (rag, _, name), fixed = max(moved), max(m[1] for m in moved)
+    if max(rag, fixed) < 0.0005:
+        return ""
+    return f"reruns moved ragged@0.5 by up to {rag:.3f} nats ({name}), the best fixed depth by up to {fixed:.3f}"
 
 
 if __name__ == "__main__":
