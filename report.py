@@ -23,9 +23,11 @@ def claims_table(rows):
     lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
     marks = lambda c: (" †" if c["reruns"] else "") + (" ‡" if c["untraced"] else "")
     lines += [f"| {c['claim']} | {c['paper']} | {cell(c['here'])} | {verdict(c)}{marks(c)} |" for c in rows]
-    return lines + ["", "† a run behind it was trained twice with the same settings and moved: see its details. "
-                    "‡ a run behind it records no provenance (trained before result.json kept how a run was made): "
-                    "see its details."]
+    legend = ((["† a run behind it was trained twice with the same settings and moved: see its details."]
+               if any(c["reruns"] for c in rows) else [])
+              + (["‡ a run behind it records no provenance (trained before result.json kept how a run was made): "
+                  "see its details."] if any(c["untraced"] for c in rows) else []))
+    return lines + (["", " ".join(legend)] if legend else [])
 
 
 def claim_details(rows):

@@ -343,6 +343,9 @@ def test_each_claim_names_its_runs_their_reruns_and_missing_provenance():
     table = report.claims_table(list(rows.values()))
     both = [bool(c["reruns"] and c["untraced"]) for c in rows.values()]
     assert [line.endswith("† ‡ |") for line in table[2:-2]] == both and any(both)
+    assert table[-1].startswith("† ") and "‡ a run" in table[-1]       # a legend for each mark in the table
+    assert "‡" not in report.claims_table([dict(c, untraced=[]) for c in rows.values()])[-1]
+    assert report.claims_table([dict(c, reruns="", untraced=[]) for c in rows.values()])[-1].startswith("| ")
     details = "\n".join(report.claim_details(list(rows.values())))
     assert "0.050. Runs that record no provenance: syn-local-poisson-s2." in details
 
