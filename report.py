@@ -21,13 +21,13 @@ def claims_table(rows):
     verdict = lambda c: "**no**" if c["holds"] is False else c["verdict"]
     cell = lambda text: text.replace("|", "\\|")            # |exit − need| inside a cell, not a new cell
     lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
-    marks = lambda c: (" †" if c["reruns"] else "") + (" ‡" if c["untraced"] else "")
+    keys = {"reruns": "† a run behind it was trained twice with the same settings and moved: see its details.",
+            "untraced": "‡ a run behind it records no provenance (trained before result.json kept how a run was "
+                        "made): see its details."}                 # a claim's marks, and what each means
+    marks = lambda c: "".join(" " + text[0] for key, text in keys.items() if c[key])
     lines += [f"| {c['claim']} | {c['paper']} | {cell(c['here'])} | {verdict(c)}{marks(c)} |" for c in rows]
-    legend = ((["† a run behind it was trained twice with the same settings and moved: see its details."]
-               if any(c["reruns"] for c in rows) else [])
-              + (["‡ a run behind it records no provenance (trained before result.json kept how a run was made): "
-                  "see its details."] if any(c["untraced"] for c in rows) else []))
-    return lines + (["", " ".join(legend)] if legend else [])
+    legend = " ".join(text for key, text in keys.items() if any(c[key] for c in rows))   # only the marks used
+    return lines + (["", legend] if legend else [])
 
 
 def claim_details(rows):
