@@ -12,7 +12,9 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
     the local/global Poisson pair with --seeds seeds;
   - ragged-aware branch-offs (direct, counterfactual, REINFORCE K=4; App. C) from the finished local
     and global Poisson runs, each into its own folder (the parent stays untouched), and as a control
-    the same continuation with the dense objective (RA or just more training?);
+    the same continuation with the dense objective (RA or just more training?), twice: on the RA
+    run's data order and on another (-cont-dense-order2), whose difference is the noise floor that
+    sets the RA verdicts' margins;
   - a flat β = 0.1 from the start against the App. B schedule (Figure 7), global and local Poisson;
   - synthetic data (difficulty labels) for the whole grid, shakespeare_char for the local/global
     Poisson pair, on the first 3 seeds (--input, a local copy of tiny shakespeare);
@@ -26,7 +28,7 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
   - the graded task (hops facts, every item one chain of each length 1..4, two queries each labelled
     with its chain's length: the difficulty is hidden until the chain is followed), the hops model,
     local vs global with the Poisson prior, 5 seeds each; ragged-aware (direct) and the dense
-    continuation from the first 3 seeds' runs. Reported per k, with bootstrap intervals: the answer's
+    continuations from every seed's runs. Reported per k, with bootstrap intervals: the answer's
     exit depth, P(exit >= k), accuracy at the exit, Σ e over the item, and accuracy against compute
     for every fixed depth and threshold.
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
@@ -59,7 +61,7 @@ DEFAULTS = dict(
     full=False,            # the real figures: 18-24 minutes a run, two at a time on 2 CPU cores (hops 30-48)
     out="",                # runs, RESULTS.md, figures/ ("": results/ with --full, results-quick/ with --quick)
     input="",              # tiny shakespeare, a local copy (empty: download it; --quick: a stand-in text)
-    seeds=3,               # seeds of the Poisson pairs (pointer, uniform: the first two; geometric: the first)
+    seeds=3,               # seeds of the Poisson pairs, the pointer and hops runs (geometric, syn. uniform: the first)
     seed=1337,             # the first seed
     only="",               # comma-separated run names: run just these (their parents too)
     plots=True,            # draw figures/*.png (needs matplotlib)
@@ -105,16 +107,20 @@ def grid(c):
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     size = SIZES[size_of(c)]
     parents = seeds[:size["branch_seeds"]]
+    graded = [c["seed"] + i for i in range(size["task_seeds"])]    # the graded task's seeds, and its parents
     kl = lambda scope: ["--global_kl"] if scope == "global" else []
     runs = {}
 
-    def branches(prefix, data, scope, **spec):
-        for seed in parents:
+    def branches(prefix, data, scope, seeds_of_parents=parents, **spec):
+        for seed in seeds_of_parents:
             base = dict(data=data, scope=scope, prior="poisson", seed=seed, parent=f"{prefix}-{scope}-poisson-s{seed}",
                         **spec)
             # the control: the same continuation with the dense objective, to tell RA from more training
             runs[f"{prefix}-{scope}-poisson-s{seed}-cont-dense"] = dict(
                 base, args=["--prior=poisson", f"--seed={seed}"] + kl(scope))
+            # the noise floor: that continuation again on another data order, for how much 500 steps move a loss
+            runs[f"{prefix}-{scope}-poisson-s{seed}-cont-dense-order2"] = dict(
+                base, control="order2", args=["--prior=poisson", f"--seed={seed + ORDER2}"] + kl(scope))
             for method in RA_METHODS[data]:
                 ra = [f"--ra_method={method}"] if method != "reinforce4" else [  # REINFORCE with K = 4 samples
                     "--ra_method=reinforce", "--reinforce_k=4"]
@@ -130,20 +136,22 @@ def grid(c):
             runs[f"shk-{scope}-poisson-s{seed}"] = dict(data="shakespeare", scope=scope, prior="poisson", seed=seed,
                                                         args=["--prior=poisson", f"--seed={seed}"] + kl(scope))
         for data, (prefix, _) in POINTER_TASKS.items():
-            graded = [c["seed"] + i for i in range(size["task_seeds"])]
-            task_seeds = {"graded": graded, "hops": seeds}.get(data, seeds[:2])
+            task_seeds = graded if data == "graded" else seeds
             for prior in TASK_PRIORS[data]:
-                for seed in (task_seeds if prior == "poisson" else seeds[:2]):
+                for seed in task_seeds:
                     runs[f"{prefix}-{scope}-{prior}-s{seed}"] = dict(
                         data=data, scope=scope, prior=prior, seed=seed, max_k=MAX_K[data],
                         args=[f"--prior={prior}", f"--seed={seed}"] + kl(scope))
-        for data in ("hops", "graded"):           # ragged-aware training on the look-up tasks, and its control
-            branches(POINTER_TASKS[data][0], data, scope, max_k=MAX_K[data])
+        branches("hop", "hops", scope, max_k=MAX_K["hops"])   # ragged-aware training on the look-up tasks
+        branches("grd", "graded", scope, graded, max_k=MAX_K["graded"])
         for seed in parents:                  # Figure 7's flat β (the paper's runs use Ouro's local objective)
             runs[f"syn-{scope}-poisson-s{seed}-flatbeta"] = dict(
                 data="synthetic", scope=scope, prior="poisson", seed=seed, beta=0.1,
                 args=["--prior=poisson", f"--seed={seed}", "--beta=0.1"] + kl(scope))
     return runs
+
+
+ORDER2 = 1000     # the noise-floor control's seed offset: the same continuation, another data order
 
 
 def prepare(c, size, data_dir):
