@@ -10,10 +10,11 @@ The model: a random model of Ouro-1.4B's exact shape (24 layers of 2048, 16 head
 vocabulary 49,152, U = 4, bf16), its exit gate's bias set so that Eq. 4 at τ 0.5 puts the prompt
 tokens' mean exit depth at 2.6 (decode Ē is measured and printed).
 
-Counted first, on any device (counts): the GEMMs and launches of a layer, of a pass and of
-finish_rows, read from Inductor's own scheduling of the compiled pass on its Triton backend (what
-CUDA runs; stopped before code generation, so a CPU counts it too); the host-to-device copies and
-syncs of a steady decode step (HostTraffic); the passes launched against the passes with rows.
+Counted first, on any device (counts): the GEMMs and launches of a layer, of the whole pass and of
+finish_rows, read from Inductor's own scheduling of the pass the engine captures, in the mode it
+captures it (its Triton backend, what CUDA runs; stopped before code generation, so a CPU counts it
+too, the CUDA graph API stood in); the paged attention's launches at 4,096 keys; the host-to-device
+copies and syncs of a steady decode step (HostTraffic); the passes launched against those with rows.
 
 Two workloads, greedy: a fixed batch of B requests (32-token prompts, 32 new tokens; it ends with its
 slowest request, so at batch 8 and 32 one request that runs deep sets the pass count), and a queue of
@@ -30,6 +31,7 @@ workload. Before timing: the graphed slot engine against the same passes without
 kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed@U (greedy tokens;
 they compute alike but not bit for bit).
 """
+import contextlib
 import json
 import math
 import os
@@ -46,7 +48,9 @@ from ragged import DenseLanes, PagePool, StaticLanes
 from request import Request, sample_token
 from serve_depthbatch import Engine, weight_bytes
 from slot_engine import SlotEngine
-from slot_pass import Graphs, Slots, allow_recompiles, finish_rows, run_pass
+import slot_pass
+from kernels import splits_for
+from slot_pass import CudaGraphs, Graphs, Slots, allow_recompiles, finish_rows
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
     "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048, ffn_hidden=5632),
@@ -166,61 +170,98 @@ class OuroWay:
 
 # ----------------------------------------------------------------------------- counted on any device
 
-def inductor_launches(fn, *args):
-    """What Inductor launches for fn(*args) on a GPU, read from its own scheduling: fn compiled whole
-    (rows dynamic, as compiled_pass) with its Triton backend, the one CUDA uses, and stopped once the
-    scheduler has fused the graph, before any code is generated, so that a CPU counts it too. Returns
-    one kind per launch: "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another
-    operator: the paged attention)."""
+class Fused(Exception):
+    """Raised once Inductor has scheduled a graph: what it would launch is known (inductor_launches)."""
+
+
+@contextlib.contextmanager
+def inductor_launches():
+    """What Inductor launches for the graph compiled inside this block, read from its own scheduling:
+    its Triton backend (the one CUDA uses, on a CPU too), stopped with Fused once the scheduler has
+    fused the graph, before any code is generated. Yields a list that receives one kind per launch:
+    "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another operator: the paged
+    attention)."""
     import torch._inductor.config as inductor_config
     import torch._inductor.scheduler as scheduler
-
-    class Fused(Exception):
-        pass
-    seen = []
+    kinds = []
 
     def stop(self):
-        seen.append(list(self.nodes))
+        for node in self.nodes:
+            kind = type(node).__name__
+            if kind in ("SchedulerNode", "FusedSchedulerNode"):
+                kinds.append("kernel")
+            elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":   # a tuple's item
+                name = str(getattr(node.node, "python_kernel_name", "") or "")
+                kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm") else "op")
         raise Fused
     torch._dynamo.reset()
     codegen, scheduler.Scheduler.codegen = scheduler.Scheduler.codegen, stop
     try:
-        with inductor_config.patch(cpu_backend="triton", force_pointwise_cat=True), torch.inference_mode():
-            torch.compile(fn, dynamic=True, fullgraph=True)(*args)
+        with inductor_config.patch(cpu_backend="triton", force_pointwise_cat=True):
+            yield kinds
     except Exception as e:                      # Inductor wraps the exception that stops it
         if "Fused" not in repr(e):
             raise
     finally:
         scheduler.Scheduler.codegen = codegen
         torch._dynamo.reset()
-    kinds = []
-    for node in seen[0]:
-        kind = type(node).__name__
-        if kind in ("SchedulerNode", "FusedSchedulerNode"):
-            kinds.append("kernel")
-        elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":   # a tuple's item
-            name = str(getattr(node.node, "python_kernel_name", "") or "")
-            kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm") else "op")
+
+
+class CountOnCpu(CudaGraphs):
+    """The CUDA graph API where there is none, for counting alone: the engine captures as on a GPU (its
+    first capture compiles the pass, and the count stops it there: nothing is recorded or replayed)."""
+
+    def can_capture(self, device):
+        return True
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+
+def captured_launches(model):
+    """The launches of the first pass the slot engine captures when it starts (the smallest bucket, 2
+    rows; head on; the plain draw; the Triton attention, as on CUDA), counted from the compile that the
+    capture itself makes, in the capture's own mode: what the replays run."""
+    gpu = slot_pass.GRAPHS.can_capture(model.lm_head.weight.device)
+    saved, slot_pass.GRAPHS = slot_pass.GRAPHS, slot_pass.GRAPHS if gpu else CountOnCpu()
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if not gpu:
+        os.environ["TRITON_INTERPRET"] = "1"      # the attention kernel is scheduled here, never run
+    try:
+        with inductor_launches() as kinds:
+            SlotEngine(model, 64, max_batch=1, max_rows=1, attn="triton", graphs=True, fuse=True, sampling=("plain",))
+    finally:
+        slot_pass.GRAPHS = saved
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
     return kinds
 
 
-def kernel_counts(shape, R=2):
-    """Launches of the compiled pass at the shape (attention: the Triton kernel, as on CUDA), rows R:
-    a layer's GEMMs and launches (a pass of two layers less a pass of one: the layer in the middle of
-    the block, its last norm fused with the next layer's first), a pass's (of n_layer layers), and
-    finish_rows's alone (the exits, the head, the aliases, the rows' next state)."""
+def kernel_counts(shape, R=2, device="cpu"):
+    """Launches of the captured pass at the shape (rows R, the smallest bucket): a layer's GEMMs and
+    launches (a pass of two layers less a pass of one: the layer in the middle of the block, its last
+    norm fused with the next layer's first); the whole pass of the shape's n_layer layers, counted, not
+    extrapolated; finish_rows's alone (the exits, the head, the aliases, the rows' next state), in the
+    same inference mode; and the paged attention's launches at the shape's context and at 4,096 keys
+    (two where flash-decoding splits the keys: kernels.splits_for)."""
     passes = {}
-    for L in (1, 2):
-        model = ouro_shape_model(shape, "cpu", 0, [[0]], n_layer=L).fuse_projections()
-        n_keys = model.config.block_size
-        st = Slots(model, PagePool.for_model(model, 64, scratch=True), 2 * R, 2, n_keys, 8)
-        passes[L] = inductor_launches(run_pass, model, st, R, "triton", n_keys, 1, True, "greedy")
-    finish = inductor_launches(lambda model, st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"),
-                               model, st, R)
+    n_layer = SHAPES[shape]["n_layer"]
+    for L in sorted({1, 2, n_layer}):
+        model = ouro_shape_model(shape, device, 0, [[0]], n_layer=L)
+        passes[L] = captured_launches(model)
+    st = Slots(model.fuse_projections(), PagePool.for_model(model, 64, scratch=True), 2 * R, 2,
+               model.config.block_size, 8)
+    with inductor_launches() as finish, torch.inference_mode():
+        torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "plain"), dynamic=True,
+                      fullgraph=True)(st, R)
     layer = {k: passes[2].count(k) - passes[1].count(k) for k in ("kernel", "gemm", "op")}
-    per_layer, n_layer = sum(layer.values()), SHAPES[shape]["n_layer"]
-    return dict(rows=R, gemms_per_layer=layer["gemm"], launches_per_layer=per_layer, layer=layer,
-                launches_per_pass=len(passes[1]) + (n_layer - 1) * per_layer, finish_rows_launches=len(finish))
+    hkv = SHAPES[shape]["n_kv_head"]
+    attention = {n: 1 + (splits_for(R * hkv, n, 32) > 1) for n in (model.config.block_size, 4096)}
+    return dict(rows=R, gemms_per_layer=layer["gemm"], launches_per_layer=sum(layer.values()), layer=layer,
+                launches_per_pass=len(passes[n_layer]), finish_rows_launches=len(finish),
+                attention_launches_by_keys=attention)
 
 
 class HostTraffic(TorchFunctionMode):
@@ -310,7 +351,7 @@ def host_counts(model, B, mode="ete_ragged", graphs=False):
 def counts(shape, device, batches):
     """Everything counted: kernel_counts at the smallest bucket (batch 1's), host_counts at each batch
     (ETE-Ragged)."""
-    out = {"kernels": kernel_counts(shape)}
+    out = {"kernels": kernel_counts(shape, device=device)}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, SHAPES[shape]["vocab_size"], (max(batches), N_PROMPT), generator=g).tolist()
     model = ouro_shape_model(shape, device, 0, prompts)
@@ -483,9 +524,12 @@ def bench_gpu(c):
 def print_gpu(runs, checks, counted):
     err = sys.stderr
     k = counted["kernels"]
-    print(f"counted (Inductor's Triton scheduling, {k['rows']} row): a layer {k['launches_per_layer']} launches "
-          f"({k['gemms_per_layer']} GEMMs, {k['layer']['op']} paged attention, {k['layer']['kernel']} fused kernels); "
-          f"a pass {k['launches_per_pass']}; finish_rows {k['finish_rows_launches']}", file=err)
+    print(f"counted (Inductor's Triton scheduling of the captured pass, {k['rows']} rows): a layer "
+          f"{k['launches_per_layer']} launches ({k['gemms_per_layer']} GEMMs, {k['layer']['op']} paged attention, "
+          f"{k['layer']['kernel']} fused kernels); the whole pass {k['launches_per_pass']}; finish_rows "
+          f"{k['finish_rows_launches']}; the paged attention "
+          + ", ".join(f"{n} launch(es) at {keys} keys" for keys, n in k["attention_launches_by_keys"].items()),
+          file=err)
     for B, h in counted["host"].items():
         print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} host-to-device copies, "
               f"{h['syncs_per_steady_step']} syncs ({h['steady_steps']} steps); passes launched {h['passes_launched']} "

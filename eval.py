@@ -38,6 +38,7 @@ from request import Request
 from scheduler import scheduler_for
 from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
+from slot_pass import draw_kind
 from tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat
 
@@ -184,7 +185,8 @@ def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
     unless --kv_pages says otherwise, with --attn, --head and --engine, on the scheduler for the mode."""
     return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
-                      head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"])
+                      head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"],
+                      sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])])
 
 
 def gen_prompt_ids(item, shots, c, encode):

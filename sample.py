@@ -39,6 +39,7 @@ from modes import MODES
 from scheduler import scheduler_for
 from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
+from slot_pass import draw_kind
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
@@ -186,7 +187,8 @@ def sample_engine(c, model, ids, mode):
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + c["max_new_tokens"]) * model.config.n_loops
     try:
         return engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids),
-                          attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"]), pages
+                          attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"],
+                          sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise

@@ -559,7 +559,8 @@ RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=
 NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
 
 
-def main(argv):
+def start(argv):
+    """The server of a command line, started and not yet serving: (http server, Server)."""
     c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
     set_threads(c["threads"])
     model, meta, encode, decode, eos = load_for_script(c)
@@ -569,13 +570,23 @@ def main(argv):
         raise UserError(f"--kv_pages={pages}: the pool must hold at least one token at every depth "
                         f"({cfg.n_loops} pages)")
     chat = encode is not None and has_chat(meta)
+    started = time.perf_counter()           # a graph engine compiles and captures its passes here
     engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"], c["engine"])
+    ready = time.perf_counter() - started
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
     server.verbose = c["verbose"]
     print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
           f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; "
-          f"scheduler {c['scheduler']}, max_batch {c['max_batch']}{', chat template' if chat else ''}", file=sys.stderr)
+          f"scheduler {c['scheduler']}, max_batch {c['max_batch']}{', chat template' if chat else ''}; engine "
+          f"{type(engine).__name__} ready in {ready:.1f} s" + (f" ({len(engine.graphs.graphs)} graphs captured)"
+                                                              if getattr(engine, "graphs", None) else ""),
+          file=sys.stderr)
+    return httpd, server
+
+
+def main(argv):
+    httpd, server = start(argv)
     try:
         httpd.serve_forever()
     finally:

@@ -36,8 +36,8 @@ from request import seed_bits
 from scheduler import Scheduler, passes_left, passes_sure, surely_done
 from serve_depthbatch import Engine, check_pool
 from rows import Seat
-from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, compiled_pass, run_pass,
-                       sampling_kind)
+from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, can_capture, compiled_pass,
+                       run_pass, sampling_kind)
 
 SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
 ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
@@ -64,7 +64,9 @@ class SlotEngine:
         if scheduler not in SCHEDULERS:
             raise UserError(f"--scheduler={scheduler!r}; allowed with the slot engine: {', '.join(SCHEDULERS)} "
                             "(the nested scheduler runs on --engine=eager)", "scheduler")
-        self.model, self.U = model.fuse_projections(), model.config.n_loops
+        # the engine's model is frozen: no parameter that requires grad reaches a compiled pass (autograd
+        # would trace a joint graph, and the survive update of Eq. 4 in place would fail it)
+        self.model, self.U = model.requires_grad_(False).fuse_projections(), model.config.n_loops
         self.device = model.lm_head.weight.device
         try:
             attn = resolve_impl(attn, self.device)
@@ -81,9 +83,9 @@ class SlotEngine:
         self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U),
                            n_stop, keep_logits)
         self.n_splits = lambda R: splits_for(R * model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
-        cuda = self.device.type == "cuda"
-        self.graphs = Graphs(self.slots.buffers) if (cuda if graphs == "auto" else graphs) else None
-        self.fuse = cuda if fuse == "auto" else fuse
+        capture = can_capture(self.device)
+        self.graphs = Graphs(self.slots.buffers) if (capture if graphs == "auto" else graphs) else None
+        self.fuse = capture if fuse == "auto" else fuse
         self.upload = Upload(self.device)
         self.finished = []
         self.by_slot, self.free_slots = [None] * max_batch, list(range(max_batch - 1, -1, -1))
@@ -104,8 +106,8 @@ class SlotEngine:
         self.passes_run, self.read_early = 0, []
         if self.graphs is not None:       # every kind of pass it runs, now: serving never stalls on a first use
             buckets = sorted({bucket(n, self.slots.R) for n in range(1, self.slots.R + 1)})
-            waves = [(True,)] if scheduler != "fixed" else [(False,) * (m - 1) + (True,) for m in range(1, self.U + 1)]
-            self.graphs.capture_all([(R, n_keys, w, k) for R in buckets for w in waves for k in sampling], self._passes)
+            heads = (True,) if scheduler != "fixed" or self.U == 1 else (False, True)     # a fixed wave: both
+            self.graphs.capture_all([(R, n_keys, h, k) for R in buckets for h in heads for k in sampling], self._pass)
 
     # ------------------------------------------------------------------ the Engine's interface
 
@@ -324,25 +326,25 @@ class SlotEngine:
         # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under graphs
         n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
         launched = []
-        for wave in waves:
-            run = self._passes(R, n_keys, wave, sampling)
+        for head in (h for wave in waves for h in wave):
+            run = self._pass(R, n_keys, head, sampling)
             if self.graphs is not None:
-                self.graphs.replay((R, n_keys, wave, sampling), run)
+                self.graphs.replay((R, n_keys, head, sampling), run)
             else:
                 run()
-            launched += [R] * len(wave)
-            self.stats["head_calls"] += sum(wave)
+            launched.append(R)
+            self.stats["head_calls"] += head
         self.stats["launched"] += len(launched)
         first, self.passes_run = self.passes_run, self.passes_run + len(launched)
         rows = torch.stack([st.active.long(), st.hold.long(), st.req])
         host, done = self.download.start(st.log + [rows] + ([st.logits] if st.logits is not None else []))
         return launched, first, host, done, []         # [] the compactions made while it is unread
 
-    def _passes(self, R, n_keys, wave, sampling):
-        """The passes of one wave (one pass, or a fixed wave's), as one function for a graph to capture."""
+    def _pass(self, R, n_keys, head, sampling):
+        """One pass, as a function for a graph to capture (a fixed wave replays the head-less one, then
+        the one with the head)."""
         pass_fn, st = compiled_pass() if self.fuse else run_pass, self.slots
-        return lambda: [pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
-                        for head in wave]
+        return lambda: pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
 
     def _read_log(self, ticket):
         """A ticket's log, pass by pass: exits recorded, tokens delivered (callbacks, stop ids,
@@ -517,12 +519,14 @@ class SlotEngine:
 
 
 def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="auto",
-               engine="auto"):
+               engine="auto", sampling=SAMPLING):
     """The engine for this device. "auto": the slot engine with CUDA graphs on a GPU, where the eager
     engine waits on the host; the eager Engine on a CPU, where it is the faster (it gathers only the
     keys each row reads; docs/benchmarks.md), and for what the slot engine leaves to it (the nested
     scheduler, the shared LM head, the Table 17 modes: --engine=eager). head "auto": the engine's own,
-    eager on the slot engine (it runs the head on every pass), shared on the eager engine."""
+    eager on the slot engine (it runs the head on every pass), shared on the eager engine. sampling: the
+    draws the slot engine captures when it starts (slot_pass.SAMPLING; a script that knows its
+    requests' names theirs)."""
     if engine not in ENGINES:
         raise UserError(f"--engine={engine!r}; allowed: {', '.join(ENGINES)}", "engine")
     if engine == "auto":
@@ -534,7 +538,7 @@ def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuou
         if head != "eager":
             raise UserError(f"--head={head}: the slot engine runs the LM head on every pass (--engine=eager shares it)",
                             "head")
-        return SlotEngine(model, kv_pages, max_batch, max_rows, scheduler, attn)
+        return SlotEngine(model, kv_pages, max_batch, max_rows, scheduler, attn, sampling=sampling)
     return Engine(model, kv_pages, max_batch, max_rows, scheduler, attn, head)
 
 

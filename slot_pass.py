@@ -15,6 +15,8 @@ Read top to bottom: the buffers, the host's writes into them (one copy a step: U
 of them (Download); the pass, in its phases; the pass compiled whole (compiled_pass); the CUDA graphs
 that capture every kind of pass when the engine starts and replay them (Graphs).
 """
+import contextlib
+
 import torch
 
 from kernels import paged_attention_table
@@ -156,7 +158,7 @@ class Download:
 
 # ----------------------------------------------------------------------------- the pass
 
-def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="greedy"):
+def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="plain"):
     """One application of the block to the first R row slots, each row at its own position and depth,
     and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling where an
     exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in place with
@@ -217,29 +219,34 @@ def decide_exits(st, R, gate):
     return newly, runs_on, survive
 
 
-SAMPLING = ("greedy", "gumbel", "nucleus")   # a pass's draw: every row greedy; no top-k/top-p; some row asks one
+# A pass's draw: "plain" when no row asks for top-k or top-p (greedy rows take the argmax, sampled ones
+# the Gumbel-max over the whole vocabulary, in the one kernel that reduces the logits), "nucleus" when
+# some row does (the vocabulary sorted). Two kinds, so two graphs a bucket; the sort only where asked.
+SAMPLING = ("plain", "nucleus")
+
+
+def draw_kind(temperature, top_k, top_p):
+    """The draw one request needs (SAMPLING)."""
+    return "nucleus" if temperature > 0 and (top_k or top_p < 1.0) else "plain"
 
 
 def sampling_kind(requests):
     """The draw a pass needs for these requests: the cheapest that gives each its own tokens."""
-    sampled = [r for r in requests if r.temperature > 0]
-    if any(r.top_k or r.top_p < 1.0 for r in sampled):
-        return "nucleus"
-    return "gumbel" if sampled else "greedy"
+    kinds = {draw_kind(r.temperature, r.top_k, r.top_p) for r in requests}
+    return "nucleus" if "nucleus" in kinds else "plain"
 
 
 def sample_rows(model, st, R, hn, newly, head, sampling):
     """The LM head on every row (static shapes), and a token for each row whose exit samples one:
-    the argmax, or request.sample_tokens keyed by the request's seed and the row's position (the
-    vocabulary sorted only where a request asks for top-k or top-p)."""
+    request.sample_tokens keyed by the request's seed and the row's position (the argmax where its
+    temperature is 0; the vocabulary sorted only where a request asks for top-k or top-p)."""
     if not head:
         zeros = torch.zeros(R, dtype=torch.long, device=hn.device)
         return zeros, zeros.bool(), None
     logits = model.lm_head(hn)
     req = st.req[:R]
-    tok = (logits.argmax(-1) if sampling == "greedy" else
-           sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
-                         nucleus=sampling == "nucleus"))
+    tok = sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
+                        nucleus=sampling == "nucleus")
     return tok, newly & st.sample[:R], logits
 
 
@@ -327,12 +334,47 @@ def allow_recompiles(n=64):
 
 # ----------------------------------------------------------------------------- graphs of passes
 
+class CudaGraphs:
+    """The CUDA API that Graphs uses, all of it in one object: whether graphs can be captured on a
+    device, a side stream for the warm-up runs, and a graph that records what a callable launches and
+    replays it. On a CPU a test stands in for this object alone (GRAPHS), so that the engine's own
+    construction and capture code runs as it would on a GPU."""
+
+    def can_capture(self, device):
+        return torch.device(device).type == "cuda"
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream().wait_stream(side)
+
+    def capture(self, run, pool):
+        """A CUDA graph of what run() launches, in the memory pool `pool` (None: a new one); returns the
+        graph (.replay()) and its pool."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            run()
+        return graph, graph.pool()
+
+
+GRAPHS = CudaGraphs()
+
+
+def can_capture(device):
+    """Whether passes on this device are captured as graphs (GRAPHS says)."""
+    return GRAPHS.can_capture(device)
+
+
 class Graphs:
-    """One CUDA graph per kind of pass (bucket, keys read, head flags, sampling), captured on first use
-    into one shared memory pool and replayed. A capture runs the passes a few times first (compilation,
+    """One CUDA graph per kind of pass (bucket, keys read, head flag, sampling), captured on first use
+    into one shared memory pool and replayed. A capture runs the pass a few times first (compilation,
     Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers (`buffers()`: all a
     pass changes but the page pool) after each run: the warm-up writes into the pool only the K/V
-    that the replay writes again."""
+    that the replay writes again. Captures run in inference mode, the mode the engine replays in, so
+    that the pass compiled is the one counted (Attention.qkv stacks its GEMMs only without autograd)."""
 
     def __init__(self, buffers):
         self.buffers, self.graphs, self.pool = buffers, {}, None
@@ -348,20 +390,15 @@ class Graphs:
             if key not in self.graphs:
                 self.graphs[key] = self.capture(make(*key))
 
+    @torch.inference_mode()
     def capture(self, run, warmup=2):
         saved = [b.clone() for b in self.buffers()]
         restore = lambda: [b.copy_(v) for b, v in zip(self.buffers(), saved)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with GRAPHS.side_stream():
             for _ in range(warmup):
                 run()
                 restore()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            run()
-        self.pool = graph.pool()
+        graph, self.pool = GRAPHS.capture(run, self.pool)
         restore()
         return graph
 

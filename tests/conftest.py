@@ -3,10 +3,12 @@
 Without a GPU, Triton kernels run in Triton's interpreter on the CPU (float32 only): set before any
 test module imports kernels.py, since triton.jit reads it. Tests never reach the network and run
 one torch thread."""
+import contextlib
 import json
 import os
 import random
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -78,6 +80,52 @@ def oracle_taus(n_prompt, n_total, mode, thr, **prefill):
     else:
         taus[0, :n_prompt] = prompt_thresholds(n_prompt, thr, **prefill)
     return taus
+
+
+# ----------------------------------------------------------------------------- the CUDA graph API, stood in
+
+class StandInGraphs:
+    """slot_pass.GRAPHS on a CPU: the one object that stands in for the CUDA graph API, so that the
+    engine's own construction and capture code runs as on a GPU. A graph records the callable it
+    captures and the autograd mode of its capture, and replays that callable in that mode (a CUDA graph
+    replays the kernels its capture launched, compiled in that mode); the side stream is no stream.
+    Counts captures and replays, and the modes captures ran in."""
+
+    def __init__(self):
+        self.captures, self.replays, self.modes = 0, 0, set()
+
+    def can_capture(self, device):
+        return True
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+    def capture(self, run, pool):
+        mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        self.captures += 1
+        self.modes.add(mode)
+        run()
+        return Recorded(self, run, mode), pool
+
+
+class Recorded:
+    def __init__(self, api, run, mode):
+        self.api, self.run, self.mode = api, run, mode
+
+    def replay(self):
+        self.api.replays += 1
+        grad, inference = self.mode
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            self.run()
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """The CUDA graph API stood in for (StandInGraphs) for one test."""
+    import slot_pass
+    api = StandInGraphs()
+    monkeypatch.setattr(slot_pass, "GRAPHS", api)
+    return api
 
 
 # ----------------------------------------------------------------------------- the engine against itself

@@ -210,9 +210,9 @@ def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
     efficiency add up; the gate is set to its target depth. (Inductor's counts: test_slots.py.)"""
     import bench_gpu
     from model import threshold_exit
-    monkeypatch.setattr(bench_gpu, "kernel_counts", lambda shape: {
+    monkeypatch.setattr(bench_gpu, "kernel_counts", lambda shape, device: {
         "rows": 2, "gemms_per_layer": 4, "launches_per_layer": 9, "layer": {"kernel": 4, "gemm": 4, "op": 1},
-        "launches_per_pass": 9, "finish_rows_launches": 14})
+        "launches_per_pass": 9, "finish_rows_launches": 14, "attention_launches_by_keys": {"72": 1, "4096": 2}})
     out_file = tmp_path / "gpu.json"
     bench.main(["--what=gpu", "--gpu_shape=tiny", "--batches=1,2", f"--out={out_file}"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -4,7 +4,10 @@ sampling, stop ids, cancellation, chunked prompts, staggered arrivals and the fi
 preemption, each request the same as with room to spare. One pass runs on the meta device (no value
 is read on the host) and compiles to one graph with no recompile; after every step the host's page
 tables equal the device's (SlotEngine.check)."""
+import json
 import random
+import threading
+import urllib.request
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from ragged import PagePool
 from request import Request
 from serve_depthbatch import Engine
 from slot_engine import SlotEngine, engine_for
-from slot_pass import SAMPLING, Graphs, Slots, bucket, run_pass, sampling_kind
+from slot_pass import SAMPLING, Slots, bucket, run_pass, sampling_kind
 
 
 def mixed_requests(rng, n, fixed_depth=None):
@@ -114,7 +117,7 @@ def test_one_pass_reads_nothing_on_the_host():
     pool = PagePool.for_model(model, 64, scratch=True)
     st = Slots(model, pool, n_rows=8, n_reqs=3, n_keys=cfg.block_size, log_len=4, keep_logits=True)
     with torch.inference_mode():
-        for sampling in (False, True):
+        for sampling in SAMPLING:
             run_pass(model, st, 8, "torch", cfg.block_size, head=True, sampling=sampling)
         run_pass(model, st, 4, "torch", 16, head=False)
     assert st.t.device.type == "meta" and st.table.device.type == "meta"
@@ -203,8 +206,9 @@ def random_model_like(model):
 def test_a_pass_samples_with_the_cheapest_draw_that_serves_every_request():
     greedy, plain, nucleus = Request([1], temperature=0.0), Request([1], temperature=0.8), Request([1], 2, top_p=0.9)
     nucleus.temperature = 1.0
-    assert sampling_kind([greedy]) == "greedy" and sampling_kind([greedy, plain]) == "gumbel"
-    assert sampling_kind([plain, nucleus]) == "nucleus" and sampling_kind([Request([1], top_k=5)]) == "greedy"
+    assert sampling_kind([greedy]) == "plain" and sampling_kind([greedy, plain]) == "plain"
+    assert sampling_kind([plain, nucleus]) == "nucleus"
+    assert sampling_kind([Request([1], top_k=5, temperature=0.0)]) == "plain"      # greedy: top-k has nothing to cut
 
 
 def test_the_pass_is_as_lean_as_counted():
@@ -225,15 +229,12 @@ def test_the_pass_is_as_lean_as_counted():
             assert h["passes_launched"] <= h["passes_with_rows"] + 1, (mode, h)
 
 
-def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch):
-    """With graphs (a stand-in for CUDA graphs here, which replays what it captured), the engine captures
-    every bucket of rows, for each wave its scheduler runs and each sampling kind, when it starts:
-    serving mixed requests then captures nothing more (no first use stalls a server), and gives the
-    Engine's results, compacting its rows while passes are still unread."""
-    class Replay:
-        def __init__(self, run):
-            self.replay = run
-    monkeypatch.setattr(Graphs, "capture", lambda self, run: Replay(run))
+def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch, stand_in_graphs):
+    """With graphs (the CUDA graph API stood in: a graph replays what it captured), the engine captures
+    every bucket of rows, for each kind of pass its scheduler runs (a fixed wave: with the head and
+    without) and each sampling kind, when it starts: serving mixed requests then captures nothing more
+    (no first use stalls a server), and gives the Engine's results, compacting its rows while passes
+    are still unread."""
     pending_compactions = 0
     choose = SlotEngine._choose_bucket
 
@@ -245,10 +246,10 @@ def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch):
     for scheduler, batch, staggered in (("continuous", 4, True), ("fixed", 4, True), ("continuous", 8, False)):
         rng = random.Random(int(torch.randint(0, 2**31, ())))
         model = varied_model()
-        s = SlotEngine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler, graphs=True, keep_logits=True)
+        s = SlotEngine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler, fuse=False, keep_logits=True)
         buckets = {bucket(n, s.slots.R) for n in range(1, s.slots.R + 1)}
-        assert len(s.graphs.graphs) == len(buckets) * len(SAMPLING) * (U if scheduler == "fixed" else 1)
-        at_start = set(s.graphs.graphs)
+        assert len(s.graphs.graphs) == len(buckets) * len(SAMPLING) * (2 if scheduler == "fixed" else 1)
+        at_start, replays = set(s.graphs.graphs), stand_in_graphs.replays
         reqs = mixed_requests(rng, 8, rng.randint(1, U) if scheduler == "fixed" else None)
         if not staggered:               # all at once, ending one by one: rows go idle while passes run unread
             reqs = [Request(prompt(rng.randint(3, 14)), 2 + 3 * i, rng.choice(["ete_ragged", "dense_ragged"]),
@@ -258,7 +259,7 @@ def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch):
         else:                           # no check() between steps: it would read the passes left unread
             b = s.run([clone(r) for r in reqs])
             assert s.pool.used == 0
-        assert set(s.graphs.graphs) == at_start
+        assert set(s.graphs.graphs) == at_start and stand_in_graphs.replays - replays == s.stats["launched"]
         a = drive(Engine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler), [clone(r) for r in reqs])
         assert_equal_runs(a, b)
     assert pending_compactions > 0
@@ -293,3 +294,64 @@ def test_the_compiled_phases_give_the_same_tokens():
     a = SlotEngine(model, 500).run([clone(r) for r in reqs])
     b = SlotEngine(model, 500, fuse=True).run([clone(r) for r in reqs])
     assert [(r.tokens, r.exits) for r in a] == [(r.tokens, r.exits) for r in b]
+
+
+def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_in_graphs, capsys):
+    """sample.py, eval.py and server.py build the graph engine (--engine=slots) on a checkpoint that
+    load_checkpoint returns as users get it (its parameters require grad), and on an Ouro folder
+    exported from it, with only the CUDA graph API stood in (conftest.StandInGraphs): the passes
+    compile whole (Inductor), every graph is captured in inference mode, the replays run, and each
+    script's tokens are the eager engine's. (Captured with grad on, the graphs would compile the
+    unstacked projections, and a loaded checkpoint's would not compile at all.)"""
+    import eval as eval_script
+    import sample
+    import server
+    from checkpoint import export_ouro, model_args, save_checkpoint
+    from tokenizer import char_meta
+    meta = char_meta(sorted(set("abcdefghij =?;\n")))
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=2, n_head=4, n_kv_head=2,
+                               n_embd=32, ffn_hidden=40, loop_norm=True, branch_norm_init=1.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+        model.early_exit_gate.bias.fill_(-0.5)
+    ckpt = tmp_path / "run"
+    ckpt.mkdir()
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": meta},
+                    str(ckpt / "ckpt.pt"))
+    ouro = export_ouro(model, str(tmp_path / "ouro"), meta)
+    args = ["--prompt=abc = d;", "--max_new_tokens=6", "--temperature=0", "--thr=0.5", "--json", "--device=cpu"]
+
+    def sample_tokens(folder, engine):
+        sample.main(["--ckpt", folder, f"--engine={engine}"] + args)
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"][0]["text"]
+    for folder in (str(ckpt), ouro):
+        before = stand_in_graphs.captures
+        assert sample_tokens(folder, "slots") == sample_tokens(folder, "eager")
+        assert stand_in_graphs.captures > before and stand_in_graphs.replays > 0
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"prompt": p, "answer": "x", "type": "gen", "extract": "prefix"}) + "\n"
+                             for p in ("ab = c;", "ij = ?")))
+    scores = []
+    for engine in ("slots", "eager"):
+        eval_script.main(["--ckpt", str(ckpt), f"--task={items}", "--modes=ete_ragged@0.5", "--temperature=0",
+                          "--shots=0", "--max_tokens=4", "--plots=False", f"--engine={engine}",
+                          f"--out={tmp_path / engine}"])
+        scores.append([(r["completions"], r["prompt_exits"], r["decode_exits"])
+                       for r in map(json.loads, open(tmp_path / engine / "records.jsonl"))])
+    assert scores[0] == scores[1]
+    httpd, srv = server.start(["--ckpt", str(ckpt), "--engine=slots", "--port=0", "--max_batch=2", "--max_rows=16"])
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        body = json.dumps({"model": "run", "prompt": "abc = d;", "max_tokens": 6, "temperature": 0, "thr": 0.5,
+                           "mode": "dense_ragged"}).encode()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
+        post = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=120) as r:
+            served = json.loads(r.read())["choices"][0]["text"]
+    finally:
+        httpd.shutdown()
+        srv.stop()
+        httpd.server_close()
+    assert isinstance(srv.engine, SlotEngine) and served == sample_tokens(str(ckpt), "eager")
+    assert stand_in_graphs.modes == {(False, True)}         # grad off, inference mode: the mode of every replay
