@@ -348,7 +348,7 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False):
 # ----------------------------------------------------------------------------- for a script
 
 def load_for_script(c, flag="--ckpt"):
-    """What sample.py, eval.py and the server do first: the checkpoint c["ckpt"] on c["device"] in
+    """What sample.py, lab/eval.py and the server do first: the checkpoint c["ckpt"] on c["device"] in
     c["dtype"], with its tokenizer when it has one. Returns (model, meta, encode, decode, eos); encode
     and decode are None for a model without a tokenizer (prompts are then token ids), and a tokenizer
     that cannot be loaded here (a missing optional package) is said in one note on stderr."""
@@ -365,5 +365,5 @@ def load_for_script(c, flag="--ckpt"):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "train.py, sample.py, eval.py and server.py load with it; python export_ouro.py writes an "
+    library(__doc__, "train.py, sample.py, lab/eval.py and server.py load with it; python -m lab.export_ouro writes an "
             "Ouro folder")

@@ -286,8 +286,8 @@ def help_text(defaults, rules=None, source=None, needs=None):
             text = f.read()
         doc = (ast.get_docstring(ast.parse(text)) or "").strip()
         comments = declared_comments(text)
-    name = os.path.basename(source) if source else "script.py"
-    lines = [f"usage: python {name} [config/*.py ...] [--key=value | --key value | --flag ...]", ""]
+    lines = [f"usage: python {command(source or 'script.py')} [config/*.py ...] [--key=value | --key value | --flag "
+             "...]", ""]
     if doc:
         lines += [doc, ""]
     lines.append("options (default, then what it does; allowed values in brackets):")
@@ -297,6 +297,13 @@ def help_text(defaults, rules=None, source=None, needs=None):
         need = f" (only with {needs[key][0]})" if key in (needs or {}) else ""
         lines.append(f"  {flag:<{width}} {comments.get(key, '')}{_describe((rules or {}).get(key))}{need}".rstrip())
     return "\n".join(lines)
+
+
+def command(path):
+    """How a file is run: `train.py` at the root, `-m lab.reproduce` for a lab script (a module)."""
+    name = os.path.basename(path)
+    lab = os.path.basename(os.path.dirname(os.path.abspath(path))) == "lab"
+    return f"-m lab.{name[:-3]}" if lab else name
 
 
 def _describe(rule):
@@ -360,7 +367,8 @@ def library(doc, use, argv=None):
     docstring's first line) and how it is used (`use`: the command that runs it), exit 0; otherwise
     the same as one error line, exit 2."""
     argv = sys.argv[1:] if argv is None else argv
-    name = os.path.basename(sys.argv[0])
+    name = command(sys.argv[0])
+    name = f"python {name}" if name.startswith("-m ") else name
     what = re.split(r"[.:;](?:\s|$)", " ".join(doc.strip().split("\n\n")[0].split()))[0]
     if argv and all(a in ("-h", "--help") for a in argv):
         print(f"{name}: {what}\nA library module, not a command: {use}")

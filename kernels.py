@@ -392,4 +392,4 @@ def attend_pages(q, k_pages, v_pages, page_ids, lengths, impl, plan=None, scale=
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python bench_kernels.py benchmarks them")
+    library(__doc__, "python -m lab.bench_kernels benchmarks them")

@@ -398,7 +398,7 @@ def forward_lanes(model, idx, cache, pos, n_run):
 
 def check_prompt(cfg, ids, max_new_tokens):
     """The one check of a prompt and its budget, for every entry point (generate, the engine, and so
-    sample.py, eval.py and the server): a non-empty list of token ids inside the vocabulary, with
+    sample.py, lab/eval.py and the server): a non-empty list of token ids inside the vocabulary, with
     room in the context for max_new_tokens more. UserError names the field: prompt or max_tokens."""
     if not isinstance(ids, list) or not ids:
         raise UserError("prompt: the prompt is empty; give a non-empty list of token ids", "prompt")

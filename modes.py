@@ -1,7 +1,7 @@
 """
 The inference modes (§3, Table 17) and what they mean for one request: how its prompt and its
 decoded tokens run, per position; the pages it needs; the one validation of a request; and the
-teacher-forced score of a continuation in each mode that has one (eval.py).
+teacher-forced score of a continuation in each mode that has one (lab/eval.py).
 
 A mode says, for a prompt token and for a decoded one, when the token exits (never before the
 last depth, at the request's threshold τ, or by the ETE prefill options of App. E.2), whether it

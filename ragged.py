@@ -46,7 +46,7 @@ class DenseLanes:
 
 
 class StaticLanes(DenseLanes):
-    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, bench_gpu.py): the next
+    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, lab/bench_gpu.py): the next
     position is a tensor on the device, each layer writes its K/V there and attends over the whole
     lane through a mask of the positions written so far, as gpt-fast's static cache does; `depth`
     is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so that a

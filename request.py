@@ -2,7 +2,7 @@
 What one generation asks for and what it gets back: the Request, and how its tokens are sampled.
 
 The engine (serve_depthbatch.py) validates a request (modes.check_request), runs it and fills in the
-fields below the line; sample.py, eval.py, server.py and bench.py build them.
+fields below the line; sample.py, lab/eval.py, server.py and lab/bench.py build them.
 """
 from dataclasses import dataclass, field
 

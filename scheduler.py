@@ -21,7 +21,7 @@ SCHEDULERS = ["continuous", "nested", "fixed"]
 
 
 def scheduler_for(mode):
-    """The scheduler for requests all of one mode (sample.py, eval.py): fixed-depth requests go in
+    """The scheduler for requests all of one mode (sample.py, lab/eval.py): fixed-depth requests go in
     waves, every token all its loops at once (no exits to decide); the others pass by pass."""
     return "fixed" if mode == "fixed" else "continuous"
 

@@ -13,7 +13,7 @@ own threshold τ) is sampled at once, and its request's next token joins at dept
 step, so every pass is useful work and passes approach the work-conserving bound Σ e_i / B.
 Baselines in the same engine: `nested` (a wave of rows stays in a nested loop until all of them
 have exited) and `fixed` (waves in which every token runs all U loops back to back, as Ouro's code
-does; a request of mode fixed keeps its own depth, and sample.py and eval.py run that mode so).
+does; a request of mode fixed keeps its own depth, and sample.py and lab/eval.py run that mode so).
 
 Memory is capacity: one PagePool holds every request's pages, a RaggedSeq per request maps
 (position, depth) to pages with aliases (Eq. 11), and admission reserves only what a prefill
@@ -28,7 +28,7 @@ cheaper than a call; the tokens are the same either way.
 How each mode runs a request's tokens is modes.py; which requests run next, scheduler.py; what a
 row is (its request's live state, its paged reads and writes), rows.py; the Request that callers
 fill in and read back, request.py. The HTTP API over this engine is server.py; its
-benchmark is `python bench.py --what=engine`.
+benchmark is `python -m lab.bench --what=engine`.
 """
 
 import torch
@@ -443,4 +443,4 @@ class Engine:
 if __name__ == "__main__":
     from configurator import library
     library(__doc__, "serve with `python server.py --ckpt out/`, sample with `python sample.py --ckpt out/`, "
-            "benchmark with `python bench.py --what=engine`")
+            "benchmark with `python -m lab.bench --what=engine`")

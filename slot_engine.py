@@ -544,4 +544,5 @@ def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuou
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "serve with `python server.py --ckpt out/`, benchmark on a GPU with `python bench.py --what=gpu`")
+    library(__doc__, "serve with `python server.py --ckpt out/`, benchmark on a GPU with "
+            "`python -m lab.bench --what=gpu`")

@@ -313,7 +313,7 @@ def compiled_pass():
     K/V page writes, SwiGLU and residuals fuse into a few kernels around its four GEMMs (the model's
     stacked projections) and the paged attention (kernels.flash_decode_table, an operator inside the
     graph), the last norm of a layer with the first of the next, the exit maths and the per-request
-    counters into a few more (bench.py --what=gpu counts them). The row count is dynamic from the
+    counters into a few more (lab/bench.py --what=gpu counts them). The row count is dynamic from the
     start, so that a kind of pass (head, sampling) compiles once for every bucket; each bucket is
     then captured as a CUDA graph of its own."""
     global _compiled
@@ -405,4 +405,4 @@ class Graphs:
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python bench.py --what=gpu runs the pass")
+    library(__doc__, "python -m lab.bench --what=gpu runs the pass")

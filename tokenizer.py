@@ -7,7 +7,7 @@ A dataset's meta.json (written by prepare_data.py, stored in every checkpoint) n
           synthetic vocabulary whose tokens are more than one character (prepare_data's `hops`)
   gpt2  GPT-2's BPE through tiktoken (a local gpt2.tiktoken ranks file works offline)
   hf    an Ouro folder's tokenizer.json (SmolLM2-style), through the optional `tokenizers` package
-Ouro's Thinking models talk in ChatML; chat_ids() is the one template that sample.py, eval.py
+Ouro's Thinking models talk in ChatML; chat_ids() is the one template that sample.py, lab/eval.py
 and the HTTP server use.
 """
 import os

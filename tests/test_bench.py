@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-import bench
-import bench_engine
+from lab import bench, bench_engine
 from configurator import UserError
 from conftest import prompt, varied_model
 from request import Request
@@ -203,12 +202,12 @@ def test_the_fixed_batch_runs_on_a_checkpoint_too_short_for_the_queue(tmp_path, 
 
 
 def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
-    """`bench.py --what=gpu` at the tiny shape on a CPU, where the graphed configurations run their
+    """`lab/bench.py --what=gpu` at the tiny shape on a CPU, where the graphed configurations run their
     graph-ready code without graphs: every configuration and field of the GPU run's JSON (also
     written to --out), in the fixed batch and in the queue; the graph-ready Ouro way gives fixed@U's
     greedy tokens in as many passes and one head call a token, the ratios, the ceiling and the
     efficiency add up; the gate is set to its target depth. (Inductor's counts: test_slots.py.)"""
-    import bench_gpu
+    from lab import bench_gpu
     from model import threshold_exit
     monkeypatch.setattr(bench_gpu, "kernel_counts", lambda shape, device: {
         "rows": 2, "gemms_per_layer": 4, "launches_per_layer": 9, "layer": {"kernel": 4, "gemm": 4, "op": 1},

@@ -7,20 +7,18 @@ import re
 import runpy
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
-import bench
-import bench_kernels
 import configurator
-import eval as eval_py
-import export_ouro
 import prepare_data
-import reproduce
 import sample
 import server
 import train
+from lab import bench, bench_kernels, export_ouro, reproduce
+from lab import eval as eval_py
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=16", "--ffn_hidden=24", "--block_size=16",
         "--batch_size=4", "--eval_iters=1", "--max_iters=2", "--eval_interval=2", "--warmup_iters=1"]
@@ -168,7 +166,7 @@ CASES = [
     (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--engine=gpu"], "engine"),
     (train, ["--eval_thr=0.5,0.3,0.5"], "eval_thr"), (train, ["--dataset=wrong_ids"], "dataset"),
     (server, ["--ckpt=out", "--host=no-such-host.invalid", "--port=0"], "host"),
-    # eval.py, bench_kernels.py
+    # lab/eval.py, lab/bench_kernels.py
     (eval_py, ["--ckpt=nowhere", "--builtin=synthetic"], "ckpt"),
     (eval_py, ["--builtin=synthetic", "--modes=warp@0.5"], "modes"),
     (eval_py, ["--builtin=synthetic", "--modes=fixed@9"], "modes"), (eval_py, ["--builtin=synthetic", "--k=4"], "k"),
@@ -230,30 +228,44 @@ def test_help_exits_0_and_lists_every_key(script, flag, capsys):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("test_"))
+FILES = sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and not f.startswith("test_")) + sorted(
+    "lab/" + f for f in os.listdir(os.path.join(ROOT, "lab")) if f.endswith(".py") and f != "__init__.py")
 
 
 @pytest.mark.parametrize("name", FILES)
 def test_every_file_run_as_a_script_answers_help_and_refuses_the_rest(name, monkeypatch, capsys):
-    """Every file at the root, run as a script: --help says what it is (a library module: its concern
-    and the command that uses it) and exits 0; an unknown flag is one `error:` line and exit 2."""
+    """Every file at the root, run as a script, and every lab script, run as a module from the root
+    (python -m lab.X): --help says what it is (a library module: its concern and the command that
+    uses it) and exits 0; an unknown flag is one `error:` line and exit 2. A lab script run by its path
+    says in one line how to run it."""
     path = os.path.join(ROOT, name)
+    lab = name.startswith("lab/")
+    command = [sys.executable, "-m", "lab." + name[4:-3]] if lab else [sys.executable, path]
     with open(path) as f:   # a file that registers a torch operator runs in its own process: registering
         own_process = "torch.library" in f.read()   # it again here would free the one the tests call
     for argv, code in ((["--help"], 0), (["--bogus_flag"], 2)):
         if own_process:
-            done = subprocess.run([sys.executable, path] + argv, capture_output=True, text=True, cwd=ROOT)
+            done = subprocess.run(command + argv, capture_output=True, text=True, cwd=ROOT)
             out, err, exit_code = done.stdout, done.stderr, done.returncode
         else:
-            monkeypatch.setattr("sys.argv", [name] + argv)
+            monkeypatch.setattr("sys.argv", [path] + argv)
             with pytest.raises(SystemExit) as e:
-                runpy.run_path(path, run_name="__main__")
+                if lab:    # the tests imported it already: runpy's warning of that says nothing here
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", RuntimeWarning)
+                        runpy.run_module("lab." + name[4:-3], run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(path, run_name="__main__")
             (out, err), exit_code = capsys.readouterr(), e.value.code
         assert exit_code == code, (name, argv, out, err)
         if code == 0:
-            assert out.strip() and (name in out or "usage:" in out)
+            assert out.strip() and ((f"python -m lab.{name[4:-3]}" if lab else name) in out or "usage:" in out)
         else:
             assert len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
+    if lab:
+        done = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+            f"error: a lab script runs from the project root as a module: python -m lab.{name[4:-3]} ..."]
 
 
 NEEDS_OF = {"train": train, "eval": eval_py, "server": server, "bench": bench, "sample": sample,
@@ -321,7 +333,7 @@ def test_sample_says_when_the_context_cuts_max_new_tokens(sandbox, monkeypatch, 
 
 
 def test_the_slot_engine_runs_on_each_scripts_own_defaults(sandbox, monkeypatch, capsys):
-    """--engine=slots with nothing else set (the LM head: the engine's own): sample.py and eval.py run,
+    """--engine=slots with nothing else set (the LM head: the engine's own): sample.py and lab/eval.py run,
     and give the eager engine's greedy tokens."""
     monkeypatch.chdir(sandbox)
     out = {}
@@ -335,3 +347,54 @@ def test_the_slot_engine_runs_on_each_scripts_own_defaults(sandbox, monkeypatch,
         out[engine].append([r["avg_depth"] for r in runs])
     assert out["slots"] == out["eager"]
     capsys.readouterr()
+
+
+class Parsed(Exception):
+    """Raised where a script has parsed its command line: the command is valid as written."""
+
+
+def documented_commands():
+    """Every command the README and docs/ give: lines of code blocks, and inline `...` code, that
+    start with python or torchrun; a trailing comment and optional parts in [brackets] dropped."""
+    out = []
+    for name in ["README.md"] + sorted("docs/" + f for f in os.listdir(os.path.join(ROOT, "docs"))):
+        text = open(os.path.join(ROOT, name), encoding="utf-8").read()
+        blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+        lines = [line for b in blocks for line in b.splitlines()]
+        lines += re.findall(r"(?<!`)`((?:python|torchrun) [^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        for line in lines:
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            line = re.sub(r"\s*\[[^\]]*\]", "", line)
+            if re.match(r"(python|torchrun) ", line) and " -m pytest" not in line:
+                out.append((name, line))
+    return out
+
+
+def test_every_command_in_the_readme_and_docs_runs_as_written(monkeypatch):
+    """Each command of README.md and docs/ names a script or a lab module that exists and gives it
+    flags it takes, with values in their ranges: run up to the point where its command line is
+    parsed (configurator.parse), nothing after. A library module's command ("python X.py ...")
+    must be one (it answers with the command that uses it)."""
+    import importlib
+    import shlex
+    commands = documented_commands()
+    assert len(commands) > 40
+    for doc, line in commands:
+        words = shlex.split(line.replace("$OURO", "ouro-folder"))
+        if words[0] == "torchrun":
+            words = ["python"] + [w for w in words[1:] if not w.startswith("--nproc") and w != "--standalone"]
+        module, args = (words[2], words[3:]) if words[1] == "-m" else (words[1][:-3], words[2:])
+        assert words[1] == "-m" or os.path.isfile(os.path.join(ROOT, words[1])), (doc, line)
+        mod = importlib.import_module(module)
+        if args == ["..."]:
+            assert not hasattr(mod, "main"), (doc, line)
+            continue
+        real = configurator.parse
+
+        def parse_only(*a, **k):
+            real(*a, **k)
+            raise Parsed
+        monkeypatch.setattr(mod, "parse", parse_only)
+        with pytest.raises(SystemExit if "--help" in args else Parsed) as e:
+            mod.main(args)
+        assert e.type is Parsed or e.value.code == 0, (doc, line)

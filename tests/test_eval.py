@@ -1,4 +1,4 @@
-"""eval.py, offline: multiple-choice log-likelihoods against a direct computation with the model,
+"""lab/eval.py, offline: multiple-choice log-likelihoods against a direct computation with the model,
 pass@k against the closed form, answer extraction on tricky strings, the sweep's outputs and the
 builtin difficulty suite, and the lm-evaluation-harness adapter on a local task."""
 import json
@@ -11,12 +11,13 @@ from collections import Counter
 import pytest
 import torch
 
-import eval as ev
-import tasks
+import prepare_data
+from lab import eval as ev
+from lab import tasks
 from checkpoint import model_args, save_checkpoint
 from conftest import chase
 from model import GPTConfig, LoopedLM, forward_ragged
-from tasks import SYNTH_CHARS
+from prepare_data import SYNTH_CHARS
 from tokenizer import char_meta, load_tokenizer, pieces_meta
 
 
@@ -240,7 +241,7 @@ def test_the_graded_task_hides_k_until_the_chain_is_followed():
     def leak(rounds, n=20_000):
         rng, rows = random.Random(int(torch.randint(0, 2**31, ()))), []
         for _ in range(n):
-            chains, _, facts = tasks._chains(rng, [1, 2, 3, 4], tasks.HOP_NAMES, rounds)
+            chains, _, facts = prepare_data._chains(rng, [1, 2, 3, 4], prepare_data.HOP_NAMES, rounds)
             where = {name: i for i, (name, _) in enumerate(facts)}
             queried = rng.choice(chains)
             rows += [(j, where[name], len(queried)) for j, name in enumerate(queried)]
@@ -264,7 +265,7 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
     holds one chain of each length 1..4, so its look (how many facts, how many of them digits) is the
     same at every difficulty."""
     items = tasks.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())))
-    encode, _ = load_tokenizer(pieces_meta(tasks.HOP_PIECES))
+    encode, _ = load_tokenizer(pieces_meta(prepare_data.HOP_PIECES))
     assert sorted(it["difficulty"] for it in items) == [k for k in (1, 2, 3, 4) for _ in range(5)]
     for it in items:
         facts, query = it["prompt"].strip("\n").split(" ; ")

@@ -239,7 +239,7 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
 def test_the_core_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
             "import kernels, model, ragged, serve_depthbatch, slot_engine, server, checkpoint, tokenizer\n"
-            "import bench, sample, train\n"
+            "import sample, train\nfrom lab import bench\n"
             "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
             "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120)
@@ -249,7 +249,7 @@ def test_the_core_imports_without_triton():
 
 def test_bench_kernels_smoke_runs_here(capsys):
     import json
-    import bench_kernels
+    from lab import bench_kernels
     bench_kernels.main(["--smoke"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["checks"] and all(c["ok"] for c in out["checks"])

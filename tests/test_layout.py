@@ -9,18 +9,22 @@ import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "scheduler", "request", "rows", "checkpoint",
-           "tokenizer", "configurator", "server", "objectives", "metrics", "tasks", "slot_engine", "slot_pass",
-           "claims", "figures", "report"}
+           "tokenizer", "configurator", "server", "objectives", "metrics", "slot_engine", "slot_pass", "lab.tasks",
+           "lab.claims", "lab.figures", "lab.report",
+           "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
-SCRIPTS = {"train", "sample", "eval", "bench", "bench_kernels", "bench_gpu", "bench_engine", "reproduce",
-           "prepare_data", "export_ouro"}
+SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
+           "lab.bench_engine", "lab.reproduce", "lab.export_ouro"}
+MAX_ROOT = 20                             # .py files at the root: the paper's files and what they import
 
 
 def source_files():
-    """{module name: its file}: the root's modules and scripts, and the tests (tests/, test_ragged.py)."""
+    """{module name: its file}: the root's modules and scripts, the lab's (lab.X), and the tests
+    (tests/, test_ragged.py)."""
     out = {}
-    for folder in (HERE, os.path.join(HERE, "tests")):
-        out.update({f[:-3]: os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")})
+    for folder, prefix in ((HERE, ""), (os.path.join(HERE, "tests"), ""), (os.path.join(HERE, "lab"), "lab.")):
+        out.update({prefix + f[:-3]: os.path.join(folder, f) for f in os.listdir(folder)
+                    if f.endswith(".py") and f != "__init__.py"})
     return out
 
 
@@ -29,15 +33,30 @@ def modules():
 
 
 def imports_of(name):
-    """Project modules that `name` imports anywhere in its source (top level or inside a function)."""
+    """Project modules that `name` imports anywhere in its source (top level or inside a function);
+    `from lab import x` and `from lab.x import y` are lab.x."""
     tree = ast.parse(open(source_files()[name], encoding="utf-8").read())
     mine, out = set(modules()), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name.split(".")[0] for a in node.names} & mine
+            out |= {a.name if a.name.startswith("lab.") else a.name.split(".")[0] for a in node.names} & mine
+        elif isinstance(node, ast.ImportFrom) and node.module == "lab":
+            out |= {"lab." + a.name for a in node.names} & mine
         elif isinstance(node, ast.ImportFrom) and node.module:
-            out |= {node.module.split(".")[0]} & mine
+            out |= {node.module if node.module.startswith("lab.") else node.module.split(".")[0]} & mine
     return out
+
+
+def test_the_root_holds_the_paper_and_imports_nothing_of_the_lab():
+    """At most MAX_ROOT .py files at the root, the user's named files among them; none of them imports
+    lab/ (the lab imports the root, never the other way)."""
+    root = [m for m in modules() if "." not in m and os.path.dirname(source_files()[m]) == HERE]
+    assert len(root) <= MAX_ROOT, sorted(root)
+    assert {"model", "ragged", "kernels", "objectives", "train", "sample", "serve_depthbatch", "prepare_data",
+            "test_ragged", "server"} <= set(root)
+    for m in root:
+        assert not {d for d in imports_of(m) if d.startswith("lab.")}, f"{m}.py imports the lab"
+        assert "import lab" not in open(source_files()[m], encoding="utf-8").read(), m
 
 
 def test_every_module_is_in_one_group_and_states_its_concern():
@@ -99,7 +118,7 @@ def read_the_code_rows():
 def resolve(ref):
     """'file.py:Class.method' -> the object."""
     path, name = ref.split(":")
-    obj = importlib.import_module(path[:-3])
+    obj = importlib.import_module(path[:-3].replace("/", "."))
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
@@ -121,10 +140,10 @@ def test_read_the_code_names_real_functions_that_cite_their_equation_and_real_te
     for idea, paper, code, checked, reference in rows:
         cited = refs(paper)
         assert cited, f"row {idea!r}: no paper reference"
-        for ref in re.findall(r"`([\w.]+\.py:[\w.]+)`", code):
+        for ref in re.findall(r"`([\w./]+\.py:[\w.]+)`", code):
             doc = resolve(ref).__doc__ or ""
             assert cited & refs(doc), f"{ref}: its docstring cites none of {sorted(cited)}"
-        for ref in re.findall(r"`([\w.]+\.py:[\w.]+)`", reference):
+        for ref in re.findall(r"`([\w./]+\.py:[\w.]+)`", reference):
             resolve(ref)
         for test in re.findall(r"`(test_\w+)`", checked):
             assert test in tests, f"row {idea!r}: no test {test}"
@@ -150,10 +169,10 @@ def test_read_the_code_visits_each_file_once_references_first():
     """The reading path is one pass per file (no file comes back after another), and a reference
     that has a row of its own is read before the rows checked against it."""
     rows = read_the_code_rows()
-    files = [re.search(r"`([\w.]+\.py):", code).group(1) for _, _, code, _, _ in rows]
+    files = [re.search(r"`([\w./]+\.py):", code).group(1) for _, _, code, _, _ in rows]
     visits = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     assert len(visits) == len(set(visits)), visits
-    named = lambda text: set(re.findall(r"`([\w.]+\.py:[\w.]+)`", text))
+    named = lambda text: set(re.findall(r"`([\w./]+\.py:[\w.]+)`", text))
     in_table, seen = set().union(*(named(code) for _, _, code, _, _ in rows)), set()
     for _, _, code, _, reference in rows:
         for ref in named(reference) & in_table:

@@ -1,4 +1,4 @@
-"""reproduce.py: the quick grid end to end (every column, every figure, resumable), and the claim
+"""lab/reproduce.py: the quick grid end to end (every column, every figure, resumable), and the claim
 checks, table and figures on a small hand-made results file."""
 import functools
 import json
@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import claims
-import report
-import reproduce
-import tasks
-from figures import draw
+import prepare_data
+from lab import claims, report, reproduce
+from lab.figures import draw
 
 
 def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions=(0.4, 0.3, 0.2, 0.1), rho=0.3,
@@ -366,7 +364,7 @@ def test_a_run_trained_twice_at_one_commit_gives_the_same_result(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 50 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    assert len(results) == 62 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     for r in results:            # synthetic: every token of a window in one label, its depths summing to the mean
         assert ("labels" in r["windows"]) == (r["data"] == "synthetic")
         if r["data"] == "synthetic":
@@ -377,7 +375,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert text.index("| claim | paper | here: 95% interval (seeds) | verdict |") < text.index("## Each claim")
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 50
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 62
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Exits follow each model's need more under global than local: graded (k hidden)" in text
     assert "RA lowers the ragged loss beyond the dense continuation: synthetic, global, direct" in text
@@ -399,7 +397,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     assert "more under global than local: Pointer task, Uniform (k visible)" in text
     hop = json.load(open(os.path.join(out, "hop-local-uniform-s1337", "result.json")))
     assert set(hop["builtin"]) == set(ptr["builtin"]) and hop["data"] == "hops" and max(hop["trace"]["labels"]) > 0
-    assert "dc " in tasks.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(tasks.HOP_PIECES)
+    assert "dc " in prepare_data.HOP_PIECES and set(hop["trace"]["tokens"]) <= set(prepare_data.HOP_PIECES)
     assert "more under global than local: Hops task (one token a fact), Poisson (k visible)" in text
     assert hop["final"]["depth_by_difficulty"]["2"] is not None and hop["final"]["depth_by_difficulty"]["3"] is None
     assert all(set(b) == {"1", "2"} for b in hop["builtin"].values()) and hop["max_k"] == 2   # hops: k = 1, 2

@@ -16,7 +16,7 @@ from conftest import CFG, alone, make_tokenizer, ouro_tensors, write_folder
 from request import Request
 from serve_depthbatch import Engine
 from server import Choices, serve
-from tasks import SYNTH_CHARS
+from prepare_data import SYNTH_CHARS
 from tokenizer import char_meta, load_tokenizer
 
 

@@ -212,13 +212,13 @@ def test_a_pass_samples_with_the_cheapest_draw_that_serves_every_request():
 
 
 def test_the_pass_is_as_lean_as_counted():
-    """The counts of bench.py --what=gpu, kept at their values or below, so that a change that adds a
+    """The counts of lab/bench.py --what=gpu, kept at their values or below, so that a change that adds a
     kernel, a copy or a sync fails: from Inductor's own scheduling of the compiled pass on its Triton
     backend (what CUDA runs), 4 GEMMs and at most 9 launches a layer (the paged attention included),
     at most 15 in finish_rows; from the host's traffic in a steady decode step, at most one copy to
     the device and one sync (the log read, one step late); no pass launched without a row in it (one
     allowed at the very end)."""
-    import bench_gpu
+    from lab import bench_gpu
     k = bench_gpu.kernel_counts("tiny")
     assert k["gemms_per_layer"] == 4 and k["layer"]["op"] == 1 and k["launches_per_layer"] <= 9, k
     assert k["finish_rows_launches"] <= 15, k
@@ -297,13 +297,13 @@ def test_the_compiled_phases_give_the_same_tokens():
 
 
 def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_in_graphs, capsys):
-    """sample.py, eval.py and server.py build the graph engine (--engine=slots) on a checkpoint that
+    """sample.py, lab/eval.py and server.py build the graph engine (--engine=slots) on a checkpoint that
     load_checkpoint returns as users get it (its parameters require grad), and on an Ouro folder
     exported from it, with only the CUDA graph API stood in (conftest.StandInGraphs): the passes
     compile whole (Inductor), every graph is captured in inference mode, the replays run, and each
     script's tokens are the eager engine's. (Captured with grad on, the graphs would compile the
     unstacked projections, and a loaded checkpoint's would not compile at all.)"""
-    import eval as eval_script
+    from lab import eval as eval_script
     import sample
     import server
     from checkpoint import export_ouro, model_args, save_checkpoint

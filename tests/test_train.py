@@ -12,7 +12,6 @@ import configurator
 import objectives
 import prepare_data
 import sample
-import tasks
 import train
 from configurator import UserError
 from conftest import TINY, chase, read_log
@@ -219,7 +218,7 @@ def test_hops_items_are_pointer_items_with_one_token_per_fact(tmp_path):
     ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
     labels, spans = (np.fromfile(os.path.join(out, f), dtype=np.uint8).tolist()
                      for f in ("val_labels.bin", "val_item_labels.bin"))
-    assert meta["vocab_size"] == len(tasks.HOP_PIECES) == 444 and len(ids) == len(labels) == len(spans)
+    assert meta["vocab_size"] == len(prepare_data.HOP_PIECES) == 444 and len(ids) == len(labels) == len(spans)
     newline, seen = encode("\n")[0], set()
     ends = [i for i, t in enumerate(ids) if t == newline]
     for start, end in zip(ends, ends[1:]):                         # whole items between two newlines
@@ -605,4 +604,4 @@ def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path)
     thrs = train.DEFAULTS["eval_thr"].split(",")            # the sweep: the same at every eval threshold
     assert set(m["span_depth_by_thr"]) == set(thrs) and m["span_depth_by_thr"][thrs[0]] == m["span_depth_by_difficulty"]
     with open(os.path.join(data, "pointer", "meta.json")) as f:   # the facts' capitals are in its vocabulary
-        assert set(json.load(f)["chars"]) == set(tasks.POINTER_CHARS)
+        assert set(json.load(f)["chars"]) == set(prepare_data.POINTER_CHARS)

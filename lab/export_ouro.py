@@ -2,7 +2,7 @@
 Export one of our checkpoints as an Ouro Hugging Face folder (config.json + model.safetensors with
 Ouro's key names, model_type "ouro"), so tools that already run Ouro at fixed depth can load it.
 
-    python export_ouro.py --ckpt out/ --out out-ouro/ [--dtype=bfloat16] [--force]
+    python -m lab.export_ouro --ckpt out/ --out out-ouro/ [--dtype=bfloat16] [--force]
 
 The weights keep the checkpoint's dtype unless --dtype says otherwise: then export and import give the
 same logits and tokens. --dtype=bfloat16 halves the folder and rounds every weight, which moves the
@@ -12,6 +12,8 @@ Only models trained with --loop_norm (Ouro's per-loop norm) can be exported: Our
 any other model differently. Our tokenizer is written beside it as meta.json (read back by our
 loader); it is not a Hugging Face tokenizer.json. Needs the optional `safetensors` package.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.export_ouro ...")
 import sys
 
 import torch

@@ -3,13 +3,15 @@ RESULTS.md from the grid's finished runs: the paper's claims in one table (claim
 the number here with its interval and seeds, the verdict), then each claim's numbers and rule, the
 graded task per k, the interpretation (results/notes.md), every run, the figures.
 
-reproduce.py writes it after its runs (and alone with --report); claims.py computes the verdicts.
+lab/reproduce.py writes it after its runs (and alone with --report); lab/claims.py computes the verdicts.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.report ...")
 import os
 
 import numpy as np
 
-from claims import THRS, ci, claims, deepest, graded_runs, replicates, rollouts
+from lab.claims import THRS, ci, claims, deepest, graded_runs, replicates, rollouts
 
 COLUMNS = ["run", "data", "objective", "seed", "fixed@1..U", "ragged@0.2/0.3/0.5/0.7", "depth@0.2/0.3/0.5/0.7",
            "avg depth", "exit fractions", "J0..J3", "large jumps", "KL(π̄‖prior)", "depth by difficulty 1..4",
@@ -130,4 +132,4 @@ def write_results(results, out, size, setup, figures, notes=None):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python reproduce.py --full --report writes RESULTS.md")
+    library(__doc__, "python -m lab.reproduce --full --report writes RESULTS.md")

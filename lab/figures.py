@@ -1,14 +1,16 @@
 """
-The figures of reproduce.py's RESULTS.md, drawn from the runs' result.json files: the loss-depth
+The figures of lab/reproduce.py's RESULTS.md, drawn from the runs' result.json files: the loss-depth
 frontier (Figure 1), exit fractions (Figure 4), exit traces (Figure 12), training curves (Figures 5
 and 7), exits by difficulty, and the graded task per k with its compute-matched frontier.
 Needs the optional matplotlib.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.figures ...")
 import os
 
 import numpy as np
 
-from claims import POINTER_TASKS, THRS, branch_runs, deepest, graded_runs, replicates, rollouts
+from lab.claims import POINTER_TASKS, THRS, branch_runs, deepest, graded_runs, replicates, rollouts
 
 COLORS = {"local": "tab:blue", "global": "tab:red"}
 
@@ -215,4 +217,4 @@ def figure_difficulty(plt, R, pair, s0):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python reproduce.py --full --report draws them")
+    library(__doc__, "python -m lab.reproduce --full --report draws them")

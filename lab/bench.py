@@ -2,23 +2,25 @@
 Benchmarks. Each prints a table, then one JSON line last, and compares against a baseline as a
 ratio measured in the same run (absolute times only mean something on a GPU).
 
-    python bench.py                       # decode at batch 1: fixed@U and Ouro mode on dense lanes, the
+    python -m lab.bench                       # decode at batch 1: fixed@U and Ouro mode on dense lanes, the
                                           # engine's fixed@U and Dense-/ETE-Ragged at τ 0.3, 0.5
-    python bench.py --ckpt out/           # ... on a trained checkpoint instead of the random bench model
-    python bench.py --what=engine         # depth batching (bench_engine.py): schedulers x modes x batch sizes
-    python bench.py --what=engine --quick # the same on short requests: checks the code, measures nothing
-    python bench.py --what=train          # time per optimizer step of each training objective vs dense
-    python bench.py --what=gpu --device=cuda   # graphed against eager at Ouro-1.4B's shape (bench_gpu.py)
+    python -m lab.bench --ckpt out/           # ... on a trained checkpoint instead of the random bench model
+    python -m lab.bench --what=engine         # depth batching (lab/bench_engine.py): schedulers x modes x batch sizes
+    python -m lab.bench --what=engine --quick # the same on short requests: checks the code, measures nothing
+    python -m lab.bench --what=train          # time per optimizer step of each training objective vs dense
+    python -m lab.bench --what=gpu --device=cuda   # graphed against eager at Ouro-1.4B's shape (lab/bench_gpu.py)
 
 Decode targets: KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged mode >= 0.8 x
 U/Ē times fixed@U's on the same engine. The engine's overhead shows as its fixed@U against
 model.generate's dense lanes.
 
-The engine benchmark's targets and methods: bench_engine.py and docs/benchmarks.md.
+The engine benchmark's targets and methods: lab/bench_engine.py and docs/benchmarks.md.
 
 Training target (App. C): direct RA, averaged over a dense + ragged pair, costs <= 1.0x a dense
 step; counterfactual and REINFORCE cost more.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench ...")
 import json
 import statistics
 import sys
@@ -26,8 +28,8 @@ import time
 
 import torch
 
-from bench_engine import bench_engine, bench_model
-from bench_gpu import bench_gpu
+from lab.bench_engine import bench_engine, bench_model
+from lab.bench_gpu import bench_gpu
 from checkpoint import load_checkpoint
 from configurator import SEED_RULE, THREADS_RULE, UserError, device_rule, parse, run_cli, set_threads
 from kernels import IMPLS
@@ -38,7 +40,7 @@ from serve_depthbatch import HEADS, Engine
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching
-                           # (bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape
+                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -56,7 +58,7 @@ DEFAULTS = dict(
     capacity=True,         # engine: also the capacity table (one small pool, every request at once)
     engine_thr=0.5,        # engine: the exit threshold of the ragged modes
     batches="",            # engine: batch sizes, comma-separated (default 1,4,8,32)
-    sampling="greedy,paper",  # engine, fixed batch: greedy (as eval.py) and/or the paper's sampling (as sample.py)
+    sampling="greedy,paper",  # engine, fixed batch: greedy (as lab/eval.py) and/or the paper's sampling (as sample.py)
     ouro_code="",          # engine, fixed batch: the public Ouro modeling_ouro.py (its configuration beside it), a row
     requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
     rounds=1,              # engine: rounds of every configuration, in turns; the fastest counts (all: ratio_rounds)

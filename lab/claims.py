@@ -16,6 +16,8 @@ continuation; local: equivalent to it); flat β over the training trajectory (Fi
 difficulty (synthetic, the look-up tasks, the graded task against each model's own need); reruns;
 the graded task's tables.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.claims ...")
 import numpy as np
 
 THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are taken at the first
@@ -107,7 +109,7 @@ def row(claim, paper, rule, here, numbers, holds=None, verdict=None, runs=()):
 
 def not_run(claim, paper, rule, runs):
     """A claim whose runs are not finished yet: listed all the same, with the runs that would test it."""
-    return row(claim, paper, rule, "no finished runs", f"not run yet: {runs} (`python reproduce.py --full` trains "
+    return row(claim, paper, rule, "no finished runs", f"not run yet: {runs} (`python -m lab.reproduce --full` trains "
                "them, resuming what it has)", verdict="untested (not run)")
 
 
@@ -495,7 +497,7 @@ def need_of(suite, k, U, margin=0.05):
 
 
 def graded_claims(R):
-    """The graded task, where k is hidden until the chain is followed (tasks._chains in rounds): first
+    """The graded task, where k is hidden until the chain is followed (prepare_data._chains in rounds): first
     whether depth buys accuracy past one look-up at all (the precondition), then each model's need per
     k set on items held apart (builtin_need), and on the judging items, at ETE-Ragged
     τ 0.5, how far the answer's exit misses the need (|exit depth - need|; its signed overshoot and
@@ -583,4 +585,4 @@ def rerun_note(R, claim):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python reproduce.py --full --report writes RESULTS.md with its verdicts")
+    library(__doc__, "python -m lab.reproduce --full --report writes RESULTS.md with its verdicts")

@@ -3,8 +3,8 @@ The engine on a GPU at Ouro-1.4B's shape: graphed (slot_engine.py) and eager (se
 against the Ouro way graphed and eager, and against the weight-read ceiling; and what the graphed pass
 costs, counted on any device.
 
-    python bench.py --what=gpu --device=cuda --out=results/bench/engine-ouro1.4b-h200.json   # one H200: ~5 min
-    python bench.py --what=gpu --gpu_shape=tiny                                             # the same code on a CPU
+    python -m lab.bench --what=gpu --device=cuda --out=results/bench/engine-ouro1.4b-h200.json   # one H200: ~5 min
+    python -m lab.bench --what=gpu --gpu_shape=tiny                                             # the same code on a CPU
 
 The model: a random model of Ouro-1.4B's exact shape (24 layers of 2048, 16 heads, FFN 5632,
 vocabulary 49,152, U = 4, bf16), its exit gate's bias set so that Eq. 4 at τ 0.5 puts the prompt
@@ -31,6 +31,8 @@ workload. Before timing: the graphed slot engine against the same passes without
 kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed@U (greedy tokens;
 they compute alike but not bit for bit).
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_gpu ...")
 import contextlib
 import json
 import math
@@ -558,4 +560,4 @@ def print_gpu(runs, checks, counted):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python bench.py --what=gpu runs it")
+    library(__doc__, "python -m lab.bench --what=gpu runs it")

@@ -1,8 +1,8 @@
 """
 GPU benchmark of kernels.paged_attention (the Triton flash-decoding kernel over ragged page tables).
 
-    python bench_kernels.py                  # on a CUDA device: checks, then timings; one JSON line last
-    python bench_kernels.py --smoke          # tiny sizes, checks only: runs on the CPU too (Triton's interpreter)
+    python -m lab.bench_kernels                  # on a CUDA device: checks, then timings; one JSON line last
+    python -m lab.bench_kernels --smoke          # tiny sizes, checks only: runs on the CPU too (Triton's interpreter)
 
 On CUDA it first checks the bf16 results (Triton and compiled FlexAttention) against the fp32 torch
 reference, then times the Triton kernel against attention over a contiguous cache of the same
@@ -13,6 +13,8 @@ second) against the device's copy bandwidth measured in the same run (a large de
 copy). Targets on an H200: >= 70% of copy bandwidth at batch 32 / context 4k, and time <= 1.1x the
 contiguous baseline at equal work. Then it runs the engine benchmark with --attn=triton.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_kernels ...")
 import json
 import os
 import sys
@@ -168,7 +170,7 @@ def main(argv):
             result["targets"] = {"bandwidth_ge_70pct_at_b32_4k": target["of_copy_bw"] >= 0.7,
                                  "time_le_1.1x_contiguous": all(r["x_contiguous"] <= 1.1 for r in rows)}
         if c["engine"]:
-            import bench
+            from lab import bench
             result["engine"] = bench.bench_engine(dict(bench.DEFAULTS, what="engine", attn="triton", device="cuda"))
     print(json.dumps(result))
     return result

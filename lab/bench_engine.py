@@ -1,5 +1,5 @@
 """
-The engine benchmark (`python bench.py --what=engine`): depth batching (App. A.2) in a server's
+The engine benchmark (`python -m lab.bench --what=engine`): depth batching (App. A.2) in a server's
 queue and in a fixed batch, schedulers x modes x head policies x batch sizes, and the capacity table,
 against fixed@U of the same engine and against the Ouro way; plus the random models of real
 proportions the benchmarks run (SHAPES).
@@ -10,6 +10,8 @@ fixed@U >= 1.0 x the Ouro way. `--ouro_code PATH/modeling_ouro.py` adds the publ
 (transformers 4.54/4.55) as a row of the fixed batch. How the engine benchmark measures (turns, the
 throughput window, the bound, the cost model) is in docs/benchmarks.md.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_engine ...")
 import json
 import math
 import os
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from bench_gpu import ouro_way
+from lab.bench_gpu import ouro_way
 from checkpoint import export_ouro, load_checkpoint
 from configurator import UserError, resolve_device
 from model import GPTConfig, LoopedLM
@@ -209,12 +211,12 @@ def queue_bench(model, c, thr, batches, bar):
     return runs
 
 
-# How the fixed batch samples: greedy (eval.py's tasks) or the paper's sampling (sample.py's defaults).
+# How the fixed batch samples: greedy (lab/eval.py's tasks) or the paper's sampling (sample.py's defaults).
 SAMPLINGS = {"greedy": (0.0, 1.0), "paper": (1.0, 0.7)}    # (temperature, top-p)
 
 
 def batch_bench(model, c, thr, batches, bar, hf=None):
-    """A fixed batch of exactly B requests (sample.py --num_samples, eval.py): 32-token prompts, 64
+    """A fixed batch of exactly B requests (sample.py --num_samples, lab/eval.py): 32-token prompts, 64
     new tokens each, greedy and/or sampled as the paper does, timed from the first step to the last
     token; the batch ends with its deepest request. Against the Ouro way (ouro_way) and fixed@U,
     rounds in a shuffled order; hf: the public Ouro code on the same weights, one more row."""
@@ -391,7 +393,7 @@ def print_bench(runs, capacity, pages, U):
               "a bound); sched: x fixed by the cost model for the best head schedule found knowing every exit "
               "(head_schedule: one that exists, so the best one lies between sched and ideal); agree: share of "
               "tokens equal to the Ouro way's (fixed@U: all of them, sampled too, each request with its own seed; "
-              "ragged modes differ by design); sampling: greedy (eval.py) or the paper's, temperature 1 and top-p "
+              "ragged modes differ by design); sampling: greedy (lab/eval.py) or the paper's, temperature 1 and top-p "
               "0.7 (sample.py)", file=err)
     if capacity:
         print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
@@ -547,4 +549,4 @@ def keep_heap():
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python bench.py --what=engine runs it")
+    library(__doc__, "python -m lab.bench --what=engine runs it")

@@ -1,9 +1,8 @@
 """
-Tasks of known difficulty and the task files of evaluation: the synthetic items that prepare_data.py
-writes as datasets and eval.py scores (each labelled with its difficulty k), the JSONL schema of a
-task file and its checks, the builtin suites (held-out items of the generators), the standard
-benchmarks converted to the schema, the paper's prompt templates (App. D), and how a completion's
-answer is checked (App. E.1).
+The task files of evaluation: the JSONL schema of a task file and its checks, the builtin suites
+(held-out items of prepare_data.py's synthetic makers, each labelled with its difficulty k), the
+standard benchmarks converted to the schema, the paper's prompt templates (App. D), and how a
+completion's answer is checked (App. E.1).
 
 Task files are JSONL, one item a line:
     {"type": "mc", "context": "...", "choices": ["...", "..."], "answer": 1}
@@ -13,6 +12,8 @@ instead. Optional per item: "description" (the task's preamble, read from the fi
 "extract" ("answer_is": strict 'the answer is ...', the default; "prefix": the completion starts
 with the answer, for models trained on raw text), "difficulty", "max_tokens".
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.tasks ...")
 import json
 import os
 import random
@@ -21,132 +22,7 @@ import sys
 
 from checkpoint import atomic_write
 from configurator import UserError
-
-SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
-POINTER_CHARS = SYNTH_CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"   # names in capitals where they are defined
-HOP_NAMES = "abcdefghijklmnop"                                # 16: four chains of up to four names
-HOP_PIECES = (["\n", ";"] + [" " + name.upper() for name in HOP_NAMES] + list("0123456789")   # queries, answers,
-              + [name + value + " " for name in HOP_NAMES for value in HOP_NAMES + "0123456789"])   # and one per fact
-
-
-# ----------------------------------------------------------------------------- items of known difficulty
-
-WORDS = dict(
-    det=["the", "a", "my", "one"],
-    adj=["red", "big", "old", "sad", "tiny", "green"],
-    noun=["cat", "dog", "bird", "king", "ship", "tree", "fox"],
-    verb=["sees", "likes", "finds", "eats", "helps", "hears"],
-)
-
-
-# Every maker takes (rng, max_k): the items of difficulty k in 1..max_k (unlabelled ones ignore it).
-
-def _sentence(rng, max_k=4):
-    w = {k: rng.choice(v) for k, v in WORDS.items()}
-    return [(f"{w['det']} {w['adj']} {w['noun']} {w['verb']} the {rng.choice(WORDS['noun'])}.", 0)]
-
-
-def _copy(rng, max_k=4):
-    span = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 8)))
-    return [(f"copy {span} : {span}.", 0)]
-
-
-def _chain(rng, max_k=4):
-    """k hops: the answer needs k look-ups. One distractor assignment is mixed in."""
-    k = rng.randint(1, max_k)
-    names = rng.sample("abcdefghijklmnopqrstuvwxyz", k + 1)
-    value, other = rng.sample("0123456789", 2)
-    parts = [f"{names[0]}={value}"] + [f"{names[i]}={names[i - 1]}" for i in range(1, k)]
-    parts.insert(rng.randint(0, len(parts)), f"{names[k]}={other}")  # distractor
-    return [(" ".join(parts) + f" ; {names[k - 1]}? ", 0), (value, k)]
-
-
-def _digit_sum(rng, max_k=4):
-    n = rng.randint(1, max_k)
-    terms = [rng.randint(0, 9) for _ in range(n)]
-    return [("sum " + "+".join(map(str, terms)) + "=", 0), (str(sum(terms) % 10), n)]
-
-
-def _chains(rng, lengths, alphabet, rounds=False):
-    """Chains of the given lengths (head -> ... -> the name that holds a digit) and their facts
-    [(name, value)] in the order written, every fact naming a variable defined *later*, so that a
-    look-up cannot start before the query is read. rounds=False: all the pointers first, the chains
-    interleaved, each head first, then every chain's digit in a random order (the answer's place among
-    the digits says nothing); with chains of one length (pointer, hops) nothing but following the
-    queried one tells its digit from the others'. rounds=True (graded, chains of different lengths):
-    in rounds, the r-th fact of every chain that has one, in a random order within each round, so that
-    where a fact stands says no more about its chain's length than the look-ups that led to it (a
-    head, written first among its chain's facts, would otherwise stand earlier the longer its chain:
-    tests/test_eval.py checks it). Returns chains, digits, facts."""
-    names = iter(rng.sample(alphabet, sum(lengths)))
-    chains = [[next(names) for _ in range(k)] for k in lengths]
-    digits = [rng.choice("0123456789") for _ in chains]
-    facts = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] + [(vs[-1], d)] for vs, d in zip(chains, digits)]
-    if rounds:
-        written = []
-        for r in range(max(lengths)):
-            this = [f[r] for f in facts if len(f) > r]
-            rng.shuffle(this)
-            written += this
-        return chains, digits, written
-    pointers = [f[:-1] for f in facts]
-    values = [f[-1] for f in facts]
-    order = [i for i, c in enumerate(pointers) for _ in c]
-    rng.shuffle(order)
-    rng.shuffle(values)
-    return chains, digits, [pointers[i].pop(0) for i in order] + values
-
-
-def _pointer(rng, max_k=4):
-    """k look-ups after the query. Four chains of the same length k (_chains), each fact written as
-    two characters, the name it defines in capitals and its value (`Dc`: D holds c, look up C), then
-    two queries of different chains, each a name in capitals written like a fact, its value to come
-    (`Dc Ab Cf By F7 Y2 ... ; D7 A2`). One look-up is one match of a single character (a one-look-up
-    query is a copy of what followed its name before): an induction head."""
-    k, n = rng.randint(1, max_k), 4
-    chains, digits, facts = _chains(rng, [k] * n, "abcdefghijklmnopqrstuvwxyz")
-    item = [(" ".join(name.upper() + value for name, value in facts) + " ;", 0)]
-    for i in rng.sample(range(n), 2):
-        item += [(" " + chains[i][0].upper(), 0), (digits[i], k)]
-    return item
-
-
-def _hops(rng, max_k=4):
-    """The pointer items with one token per fact (`dc ` is one token of the `hops` vocabulary, HOP_PIECES):
-    a look-up is then one attention match, the query's name against a fact's, whose value can carry
-    what it holds, so that k look-ups are k attention reads in a row and no induction circuit has to
-    be learned first. Four chains of length k (_chains) over 16 names, then a query of every chain
-    in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the first answer is labelled k: a
-    later one may be told by elimination (the last is the digit no earlier answer took)."""
-    k, n = rng.randint(1, max_k), 4
-    chains, digits, facts = _chains(rng, [k] * n, HOP_NAMES)
-    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
-    for j, i in enumerate(rng.sample(range(n), n)):
-        item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 else 0)]
-    return item
-
-
-def _graded(rng, max_k=4):
-    """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of an
-    item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the same
-    kinds, written in rounds (_chains): first every chain's head, then every second fact, and so on
-    (`hn m5 ae pg nl ei d8 ld i3 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Two queries of
-    different chains, each labelled with its chain's length. A query's k is known only by following
-    its chain: its head stands among the others' at a place that says nothing of k, and each step
-    tells only whether the chain has ended. Two queries of four chains, so that no answer can be told
-    by elimination."""
-    lengths = [1 + i % max_k for i in range(4)]
-    chains, digits, facts = _chains(rng, lengths, HOP_NAMES, rounds=True)
-    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
-    for i in rng.sample(range(4), 2):
-        item += [(" " + chains[i][0].upper(), 0), (digits[i], len(chains[i]))]
-    return item
-
-
-FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
-KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops],
-         "graded": [_graded, _graded]}
-
+from prepare_data import KINDS
 
 # ----------------------------------------------------------------------------- task files
 
@@ -372,5 +248,5 @@ def is_correct(item, completion_text, completion_ids):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python eval.py --builtin=... or --task=FILE.jsonl reads them; python prepare_data.py "
+    library(__doc__, "python -m lab.eval --builtin=... or --task=FILE.jsonl reads them; python prepare_data.py "
             "writes the datasets")

@@ -1,11 +1,11 @@
 """
 Reproduce the paper's findings at CPU scale: one grid of training runs, then RESULTS.md with the
-tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim (claims.py).
+tables and the plots (Figures 1, 4, 5, 7, 12 style) and an honest check of each claim (lab/claims.py).
 
-    python reproduce.py --quick                                        # the whole grid, tiny: a couple of minutes
-    python reproduce.py --full --input=PATH/tinyshakespeare.txt   # the real figures: ~22 min a run (hops ~45)
-    python reproduce.py --full --only=grd-global-poisson-s1337    # one run (and its parents), then the report
-    python reproduce.py --full --report                           # RESULTS.md from the finished runs, no training
+    python -m lab.reproduce --quick                                        # the whole grid, tiny: a couple of minutes
+    python -m lab.reproduce --full --input=PATH/tinyshakespeare.txt   # the real figures: ~22 min a run (hops ~45)
+    python -m lab.reproduce --full --only=grd-global-poisson-s1337    # one run (and its parents), then the report
+    python -m lab.reproduce --full --report                           # RESULTS.md from the finished runs, no training
 
 The grid (fixed seeds; every run of one seed sees the same data in the same order):
   - local vs global prior enforcement (Eq. 9 vs Eq. 10) x uniform, geometric and Poisson priors;
@@ -34,6 +34,8 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.reproduce ...")
 import contextlib
 import json
 import os
@@ -45,16 +47,18 @@ import time
 import numpy as np
 import torch
 
-import eval as eval_suite
+from lab import eval as eval_suite
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from claims import GRADED_SEEDS, MAX_K, POINTER_TASKS, RA_METHODS, TASK_PRIORS, THRS
+from lab.claims import GRADED_SEEDS, MAX_K, POINTER_TASKS, RA_METHODS, TASK_PRIORS, THRS
 from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
-from figures import draw
-from report import write_results
+from lab.figures import draw
+from lab.report import write_results
 from model import forward_ragged
 from tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))      # the project's root
 
 DEFAULTS = dict(
     quick=False,           # a tiny version of the whole grid (CI smoke test: a couple of minutes)
@@ -236,8 +240,7 @@ def provenance():
     """How a run was made, so that a rerun that differs can be traced: the code's commit (and whether
     the tree had changes) when it started, torch's version, its threads, the CPU (and, once it has
     trained, the training's wall time, and the step it resumed from if it did)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True).stdout.strip()
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cpu = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -247,16 +250,16 @@ def provenance():
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
 
 
-NEED_SEED = 4321      # the graded suite that estimates each k's needed depth (eval.py's default seed judges)
+NEED_SEED = 4321      # the graded suite that estimates each k's needed depth (lab/eval.py's default seed judges)
 
 
 def builtin_by_depth(folder, kind, max_k, per_level, U, seed=None):
-    """The builtin suite of a look-up task (eval.py --builtin=kind, k = 1..max_k; seed: another draw of
-    items than eval.py's default), greedy: accuracy and the answer's exit depth per k at fixed@1..U and
+    """The builtin suite of a look-up task (lab/eval.py --builtin=kind, k = 1..max_k; seed: another draw of
+    items than lab/eval.py's default), greedy: accuracy and the answer's exit depth per k at fixed@1..U and
     ETE- and Dense-Ragged at each τ of THRS. Returns {mode: {k: {items, acc, answer_depth}}}."""
     modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"{m}@{t}" for m in ("ete_ragged", "dense_ragged")
                                                                 for t in THRS])
-    with contextlib.redirect_stdout(sys.stderr):   # eval.py's one JSON line is not this script's output
+    with contextlib.redirect_stdout(sys.stderr):   # lab/eval.py's one JSON line is not this script's output
         runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_max_k={max_k}",
                                 f"--builtin_items={per_level}", f"--modes={modes}",
                                 "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"]
@@ -272,7 +275,7 @@ def window_keys(spec):
 
 @torch.no_grad()
 def window_losses(folder, data, n=160, batch=16, labels=False):
-    """The units the claims resample (claims.py): n held-out windows of the model's context, drawn
+    """The units the claims resample (lab/claims.py): n held-out windows of the model's context, drawn
     with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean loss
     at each fixed depth, how far each loop moves the state (relative), ETE-Ragged's mean loss and
     mean exit depth at each τ of THRS, and with labels (the synthetic data's per-token difficulty),
@@ -380,7 +383,7 @@ def main(argv):
     figures = draw(results, c["out"], seeds) if c["plots"] else []
     untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
     missing = [n for n in runs if not finished(n)]
-    setup = (f"Written by `python reproduce.py {'--full' if size == 'full' else '--quick'}`. Every run trains from "
+    setup = (f"Written by `python -m lab.reproduce {'--full' if size == 'full' else '--quick'}`. Every run trains from "
              f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
              f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
              f"{SIZES[size]['branch_seeds']} seed(s) for {SIZES[size]['branch_iters']} steps. Losses are validation "
@@ -390,7 +393,7 @@ def main(argv):
                 if untraced else ".")
              + (f" {len(missing)} run(s) of the grid are not finished yet ({', '.join(missing)}): their claims rest on "
                 "the runs that are." if missing else ""))
-    notes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "notes.md")
+    notes = os.path.join(ROOT, "results", "notes.md")
     with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
         write_results(results, c["out"], size, setup, figures, f.read() if f else None)
     print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)",

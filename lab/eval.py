@@ -2,12 +2,12 @@
 Evaluate like the paper (App. D, E.1): log-likelihood and generation tasks, pass@k, and the
 compute-accuracy frontier over fixed depths and Ragged-KV thresholds, offline.
 
-    python eval.py --ckpt out/ --builtin synthetic --sweep --out eval-out/          # difficulty-graded suite
-    python eval.py --ckpt CKPT --task bbh.jsonl --modes fixed@4,dense_ragged@0.3 --n 4 --k 1,4 --shots 3 --out DIR
-    python eval.py --ckpt CKPT --lm_eval hellaswag,arc_challenge --modes fixed@4,ete_ragged@0.5 --out DIR
-    python eval.py --convert gsm8k,bbh --out tasks/         # standard benchmarks as our JSONL (datasets, network)
+    python -m lab.eval --ckpt out/ --builtin synthetic --sweep --out eval-out/          # difficulty-graded suite
+    python -m lab.eval --ckpt CKPT --task bbh.jsonl --modes fixed@4,dense_ragged@0.3 --n 4 --k 1,4 --shots 3 --out DIR
+    python -m lab.eval --ckpt CKPT --lm_eval hellaswag,arc_challenge --modes fixed@4,ete_ragged@0.5 --out DIR
+    python -m lab.eval --convert gsm8k,bbh --out tasks/         # standard benchmarks as our JSONL (datasets, network)
 
-Task files are JSONL, one item a line (tasks.py: the schema, the builtin suite, the converters).
+Task files are JSONL, one item a line (lab/tasks.py: the schema, the builtin suite, the converters).
 
 Multiple choice: the log-likelihood of each choice's tokens given the context, accuracy and
 length-normalised accuracy, in fixed@k and ETE-Ragged (the continuation scored with the exits it
@@ -18,6 +18,8 @@ with standard errors across items, and the average prefill / decode / overall de
 Outputs in --out: results.json, records.jsonl (one line per item per mode; any figure can be
 recomputed from it) and frontier.png.
 """
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.eval ...")
 import contextlib
 import json
 import math
@@ -39,13 +41,13 @@ from scheduler import scheduler_for
 from serve_depthbatch import HEADS
 from slot_engine import ENGINES, engine_for
 from slot_pass import draw_kind
-from tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
+from lab.tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat
 
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # held-out items of known difficulty (tasks.py): synthetic, pointer, hops or graded
+    builtin="",            # held-out items of known difficulty (lab/tasks.py): synthetic, pointer, hops or graded
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     builtin_max_k=4,       # the hardest level of the builtin suite (levels 1..builtin_max_k)
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
