@@ -37,6 +37,9 @@ and two queries of different chains, each answer labelled with its chain's lengt
 has is known only by following its chain:
   - graded look-ups                     "hn nl pg ld ae ei i3 m5 d8 g9 ; M5 A3"   (M: k = 1; A -> e -> i -> 3: k = 3)
   python prepare_data.py --dataset=graded
+`graded_multi` asks every chain of a graded item, and the answer is the four digits in the order asked:
+  - graded, answered in turn            "hn ... g9 ; M A E H;5372"   (each digit labelled with its k)
+  python prepare_data.py --dataset=graded_multi
 Besides val_labels.bin (the answer token's k), pointer and hops write val_item_labels.bin: the item's
 k on every token of the item span, since the work may sit anywhere in it.
 """
@@ -172,9 +175,25 @@ def _graded(rng, max_k=4):
     return item
 
 
+def _graded_multi(rng, max_k=4):
+    """The graded items with every chain queried, and answered in one answer of several tokens (the
+    decode regime of Fig. 1 on a look-up task): the graded facts (chains of lengths 1..max_k, cycled,
+    written in rounds), then after `;` the four heads in a random order and `;`, then the four digits
+    in that order, each labelled with its chain's length (`... ; M A E H;5372`: M: k = 1, A: k = 3).
+    Answer j stands five tokens after its query, so that finding which chain it answers is one
+    attention read at a fixed offset; its digit takes the chain's look-ups. Every item holds every k,
+    in an order that says nothing of them."""
+    lengths = [1 + i % max_k for i in range(4)]
+    chains, digits, facts = _chains(rng, lengths, HOP_NAMES, rounds=True)
+    order = rng.sample(range(4), 4)
+    item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
+    item += [(" " + chains[i][0].upper(), 0) for i in order] + [(";", 0)]
+    return item + [(digits[i], len(chains[i])) for i in order]
+
+
 FILLER = [_sentence, _copy]                 # unlabelled items, the easy tokens between the labelled ones
 KINDS = {"synthetic": [_chain, _digit_sum], "pointer": [_pointer, _pointer], "hops": [_hops, _hops],
-         "graded": [_graded, _graded]}
+         "graded": [_graded, _graded], "graded_multi": [_graded_multi, _graded_multi]}
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -195,13 +214,13 @@ DEFAULTS = dict(
     max_k=4,               # synthetic, pointer, hops: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
     filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none)
 )
-RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "shakespeare_char", "text", "fineweb_edu"],
+RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "graded_multi", "shakespeare_char", "text",
+                      "fineweb_edu"],
              tokenizer=["char", "gpt2"], seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)",
              tokens="in [100, 100000000000]", max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 # the keys that act only for some datasets (their comments say which): set for another, refused
-made = ("--dataset=synthetic (or pointer, hops, graded)", lambda c: c["dataset"] in ("synthetic", "pointer", "hops",
-                                                                                    "graded"))
+made = ("--dataset=synthetic (or pointer, hops, graded, graded_multi)", lambda c: c["dataset"] in KINDS)
 NEEDS = dict(seed=made, size=made, max_k=made,
              filler=("--dataset=synthetic (or pointer)", lambda c: c["dataset"] in ("synthetic", "pointer")),
              input=("--dataset=text (or shakespeare_char)", lambda c: c["dataset"] in ("text", "shakespeare_char")),
@@ -260,7 +279,8 @@ def prepare(c):
     out = os.path.join(c["data_dir"], c["name"] or c["dataset"])
     if c["dataset"] in KINDS:
         meta = {"synthetic": char_meta(SYNTH_CHARS), "pointer": char_meta(POINTER_CHARS),
-                "hops": pieces_meta(HOP_PIECES), "graded": pieces_meta(HOP_PIECES)}[c["dataset"]]
+                "hops": pieces_meta(HOP_PIECES), "graded": pieces_meta(HOP_PIECES),
+                "graded_multi": pieces_meta(HOP_PIECES)}[c["dataset"]]
         encode, _ = load_tokenizer(meta)
         filler = c["filler"] and c["dataset"] in ("synthetic", "pointer")   # no tokens for sentences in the others
         text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], filler, encode)

@@ -25,10 +25,11 @@ THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are ta
 POINTER_PRIORS = ["poisson", "uniform"]
 # the look-up tasks (prepare_data's datasets): run-name prefix and the name their claims go by
 POINTER_TASKS = {"pointer": ("ptr", "Pointer task"), "hops": ("hop", "Hops task (one token a fact)"),
-                 "graded": ("grd", "Graded task (hidden k)")}
-TASK_PRIORS = {"pointer": POINTER_PRIORS, "hops": POINTER_PRIORS, "graded": ["poisson"]}
+                 "graded": ("grd", "Graded task (hidden k)"),
+                 "graded_multi": ("gml", "Graded task, every chain answered in turn (a decode of several tokens)")}
+TASK_PRIORS = {"pointer": POINTER_PRIORS, "hops": POINTER_PRIORS, "graded": ["poisson"], "graded_multi": ["poisson"]}
 # the hardest item of each task's data and builtin suite (hops: the levels its model learns every time)
-MAX_K = {"pointer": 4, "hops": 2, "graded": 4}
+MAX_K = {"pointer": 4, "hops": 2, "graded": 4, "graded_multi": 4}
 PREFIX = {"synthetic": "syn", "shakespeare": "shk", **{d: p for d, (p, _) in POINTER_TASKS.items()}}
 N_BOOT = 2000                      # bootstrap replicates per interval
 EQUIVALENCE = 0.01                 # local RA "does not impact much": within 1% of the dense continuation's loss

@@ -47,7 +47,7 @@ from tokenizer import IM_END, chat_ids, check_chat
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
     task="",               # task files (JSONL), comma-separated; --task may also be repeated
-    builtin="",            # held-out items of known difficulty (lab/tasks.py): synthetic, pointer, hops or graded
+    builtin="",            # held-out items of known difficulty (lab/tasks.py): synthetic, pointer, hops, graded, ...
     builtin_items=40,      # items per difficulty level and kind of the builtin suite
     builtin_max_k=4,       # the hardest level of the builtin suite (levels 1..builtin_max_k)
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
@@ -80,7 +80,7 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded"], builtin_items="in [1, 100000]",
+RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_multi"], builtin_items="in [1, 100000]",
              builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0", max_tokens=">= 1",
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
              max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES, device=device_rule,
@@ -274,6 +274,7 @@ def score_rollouts(items, reqs, task, spec, stop, decode, ks, U):
                             extracted=answers, correct=correct, answer=item.get("answer", item.get("answer_ids")),
                             difficulty=item.get("difficulty"), kind=item.get("kind"),
                             answer_depth=[r.token_exits[0] if r.token_exits else None for r in mine],
+                            answer_exits=[r.token_exits for r in mine], answer_labels=item.get("answer_labels"),
                             prompt_exits=[r.prompt_exits for r in mine], decode_exits=[r.decode_exits for r in mine]))
     mean = lambda xs: float(np.mean(xs)) if xs else None
     return dict(pass_at={str(k): mean_stderr(v)[0] for k, v in per_k.items()},
@@ -296,7 +297,17 @@ def by_difficulty(records):
         if rs[0]["type"] == "gen":
             out[str(level)]["rollouts"] = {
                 "correct": [int(x) for x in correct], "answer_depth": [d for r in rs for d in r["answer_depth"]],
-                "sum_exits": [sum(p) + (d or 0) for r in rs for p, d in zip(r["prompt_exits"], r["answer_depth"])]}
+                "sum_exits": [sum(p) + (d or 0) for r in rs for p, d in zip(r["prompt_exits"], r["answer_depth"])],
+                # every position run, its exit: the prompt's, then the answer's past its first token (the
+                # last prompt position samples that one), and what each answer token needed
+                "prompt_exits": [p for r in rs for p in r["prompt_exits"]],
+                "decode_exits": [d for r in rs for d in r["decode_exits"]],
+                "answer_exits": [a for r in rs for a in r["answer_exits"]]}
+            if rs[0].get("answer_labels"):     # an answer of several labelled tokens, one character each
+                out[str(level)]["rollouts"]["answer_labels"] = [r["answer_labels"] for r in rs for _ in r["correct"]]
+                out[str(level)]["rollouts"]["token_right"] = [
+                    [int(c == a) for c, a in zip(text.ljust(len(r["answer"])), r["answer"])]
+                    for r in rs for text in r["completions"]]
     return out
 
 

@@ -30,7 +30,10 @@ The grid (fixed seeds; every run of one seed sees the same data in the same orde
     local vs global with the Poisson prior, 5 seeds each; ragged-aware (direct) and the dense
     continuations from every seed's runs. Reported per k, with bootstrap intervals: the answer's
     exit depth, P(exit >= k), accuracy at the exit, Σ e over the item, and accuracy against compute
-    for every fixed depth and threshold.
+    for every fixed depth and threshold;
+  - the graded task with every chain answered in turn (graded_multi: an answer of four tokens, a
+    decode, each digit its own k), the hops model, local vs global with the Poisson prior, --seeds
+    seeds: accuracy against the decode depth and the whole item's (Fig. 1's decode regime).
 Resumable: a run whose result.json exists is skipped, one with a checkpoint resumes. Results go to
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
@@ -95,7 +98,8 @@ SIZES = {
                  branch_seeds=3,  # parents of the ragged-aware branches and of flat β: the first seeds
                  windows=160),    # held-out windows per run that the claims' intervals resample
 }
-SIZES["full"]["data_args"]["graded"] = SIZES["full"]["data_args"]["hops"]   # the hops model: a look-up a loop
+for data in ("graded", "graded_multi"):      # the hops model: a look-up a loop
+    SIZES["full"]["data_args"][data] = SIZES["full"]["data_args"]["hops"]
 
 
 # ----------------------------------------------------------------------------- the grid
@@ -226,7 +230,8 @@ def run_one(name, spec, c, size, runs):
         result["earlier"] = before.get("earlier", []) + [{k: before[k] for k in ("final", "provenance") if k in before}]
     if spec["data"] in POINTER_TASKS:
         U = len(evals[-1]["val_loss_fixed"])
-        result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"], U)
+        items = budget["pointer_items"] * (spec["max_k"] if spec["data"] == "graded_multi" else 1)  # one level: all k
+        result["builtin"] = builtin_by_depth(folder, spec["data"], spec["max_k"], items, U)
         if spec["data"] == "graded":    # the depth each k needs, on items held apart from those that judge the exits
             result["builtin_need"] = builtin_by_depth(folder, spec["data"], spec["max_k"], budget["pointer_items"], U,
                                                       seed=NEED_SEED)

@@ -10,7 +10,8 @@ Task files are JSONL, one item a line:
 Models without a tokenizer take "context_ids" / "choices_ids" / "prompt_ids" (and "answer_ids")
 instead. Optional per item: "description" (the task's preamble, read from the first item),
 "extract" ("answer_is": strict 'the answer is ...', the default; "prefix": the completion starts
-with the answer, for models trained on raw text), "difficulty", "max_tokens".
+with the answer, for models trained on raw text), "difficulty", "max_tokens", "answer_labels" (the
+difficulty of each token of an answer of several).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
     raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.tasks ...")
@@ -27,7 +28,8 @@ from prepare_data import KINDS
 # ----------------------------------------------------------------------------- task files
 
 ITEM_KEYS = {"type", "context", "choices", "answer", "context_ids", "choices_ids", "prompt", "prompt_ids",
-             "answer_ids", "cot", "description", "extract", "difficulty", "max_tokens", "kind"}   # the schema's fields
+             "answer_ids", "cot", "description", "extract", "difficulty", "max_tokens", "kind",
+             "answer_labels"}   # the schema's fields
 
 
 def load_task(path):
@@ -92,24 +94,31 @@ def check_item(item, where):
 
 
 def builtin_items(kind, per_level, seed, max_k=4):
-    """Held-out generation items from the generators above (another seed than the training
-    text), difficulty 1..max_k, scored by the completion's first token (the models learn raw text, not a
-    question format). kind "synthetic": k-hop chains and digit sums; "pointer", "hops" and "graded":
-    look-ups that start after the query (the datasets of the same names)."""
+    """Held-out generation items from prepare_data.py's makers (another seed than the training
+    text), difficulty 1..max_k, scored by the completion's first tokens (the models learn raw text,
+    not a question format). kind "synthetic": k-hop chains and digit sums; "pointer", "hops" and
+    "graded": look-ups that start after the query, the answer one token (the item up to its first
+    labelled token); "graded_multi": the answer is the item's last tokens, every one labelled (each
+    its own k: answer_labels), and the item's difficulty is the hardest, max_k."""
     rng = random.Random(seed + 10_000)
     makers = list(dict.fromkeys(KINDS[kind]))     # the dataset's item makers, each once
+    multi = kind == "graded_multi"
     items, count = [], {}
-    while len(items) < max_k * len(makers) * per_level:
+    while len(items) < (1 if multi else max_k) * len(makers) * per_level:
         maker = rng.choice(makers)
         item = maker(rng, max_k)
         first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
-        prompt, (answer, level) = "".join(piece for piece, _ in item[:first]), item[first]
+        answer = item[first:] if multi else item[first:first + 1]
+        level = max(label for _, label in answer)
         key = (maker.__name__, level)
         if count.get(key, 0) >= per_level:
             continue
         count[key] = count.get(key, 0) + 1
-        items.append({"type": "gen", "prompt": "\n" + prompt, "answer": answer, "extract": "prefix", "max_tokens": 1,
+        items.append({"type": "gen", "prompt": "\n" + "".join(piece for piece, _ in item[:first]),
+                      "answer": "".join(piece for piece, _ in answer), "extract": "prefix", "max_tokens": len(answer),
                       "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
+        if multi:
+            items[-1]["answer_labels"] = [label for _, label in answer]
     return items
 
 

@@ -364,7 +364,7 @@ def test_a_run_trained_twice_at_one_commit_gives_the_same_result(tmp_path):
 def test_quick_grid_end_to_end_and_resumable(tmp_path):
     out = str(tmp_path / "r")
     results = reproduce.main(["--quick", f"--out={out}"])
-    assert len(results) == 62 and all(len(r["windows"]["fixed"]) == 16 for r in results)
+    assert len(results) == 68 and all(len(r["windows"]["fixed"]) == 16 for r in results)
     for r in results:            # synthetic: every token of a window in one label, its depths summing to the mean
         assert ("labels" in r["windows"]) == (r["data"] == "synthetic")
         if r["data"] == "synthetic":
@@ -375,7 +375,7 @@ def test_quick_grid_end_to_end_and_resumable(tmp_path):
     text = open(os.path.join(out, "RESULTS.md")).read()
     header = "| " + " | ".join(report.COLUMNS) + " |"
     assert text.index("| claim | paper | here: 95% interval (seeds) | verdict |") < text.index("## Each claim")
-    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd")) == 62
+    assert header in text and sum(text.count(f"\n| {p}-") for p in ("syn", "shk", "ptr", "hop", "grd", "gml")) == 68
     assert "## The graded task, per k" in text and "| global | ete_ragged@0.5 | 4 |" in text
     assert "Exits follow each model's need more under global than local: graded (k hidden)" in text
     assert "RA lowers the ragged loss beyond the dense continuation: synthetic, global, direct" in text

@@ -278,6 +278,37 @@ def test_graded_items_hide_their_difficulty_and_label_both_answers(tmp_path):
     assert set(seen) == {1, 2, 3, 4} and len(ends) > 50
 
 
+def test_graded_multi_items_ask_every_chain_and_answer_each_five_tokens_after_its_query(tmp_path):
+    """prepare_data --dataset=graded_multi, read back from its files: the graded facts, then every head
+    once (a random order, `;` after), then the four digits in that order, each what brute force finds
+    and labelled with its chain's length, five tokens after its query; every k in every item, the
+    queries' order saying nothing of k (each k takes each of the four places about equally often)."""
+    seed = int(torch.randint(0, 1000, ()))
+    out = prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="graded_multi", data_dir=str(tmp_path),
+                                    size=40000, val_fraction=0.5, seed=seed))
+    encode, decode = load_tokenizer(json.load(open(os.path.join(out, "meta.json"))))
+    ids = np.fromfile(os.path.join(out, "val.bin"), dtype=np.uint16).tolist()
+    labels = np.fromfile(os.path.join(out, "val_labels.bin"), dtype=np.uint8).tolist()
+    newline, places = encode("\n")[0], np.zeros((4, 4))
+    ends = [i for i, t in enumerate(ids) if t == newline]
+    for start, end in zip(ends, ends[1:]):
+        toks = [decode([t]) for t in ids[start + 1:end]]
+        facts, rest = toks[:toks.index(";")], toks[toks.index(";") + 1:]
+        heads = {f[0].upper() for f in facts} - {f[1].upper() for f in facts}
+        queries, digits = [q.strip() for q in rest[:4]], rest[5:]
+        assert rest[4] == ";" and len(rest) == 9 and set(queries) == heads, toks
+        ks = [chase([f[:2] for f in facts], q) for q in queries]
+        assert [a for a, _ in ks] == digits and sorted(k for _, k in ks) == [1, 2, 3, 4], toks
+        at = start + 1 + len(facts) + 1
+        assert labels[start + 1:end] == [0] * (len(facts) + 6) + [k for _, k in ks]
+        assert all(toks[len(facts) + 1 + j] == " " + queries[j] and ids[at + j + 5] == encode(digits[j])[0]
+                   for j in range(4))
+        for j, (_, k) in enumerate(ks):
+            places[k - 1, j] += 1
+    n = places.sum() / 4
+    assert n > 100 and np.abs(places / n - 0.25).max() < 0.1, places
+
+
 def test_synthetic_data_is_deterministic_with_correct_labels(tmp_path):
     t1, l1, _ = prepare_data.synthetic_text(20000, seed=3)
     t2, l2, _ = prepare_data.synthetic_text(20000, seed=3)
