@@ -207,26 +207,11 @@ class RaggedSeq:
 
     def stop(self, pos, d):
         """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per token):
-        deeper rows alias P_{i,d} (Eq. 11). Pages reserved for the deeper depths (slot_engine.py
-        reserves every depth of a position before it runs, as the paper's vLLM runner does) go back
-        to the pool: they were never computed."""
+        deeper rows alias P_{i,d} (Eq. 11)."""
         d = torch.as_tensor(d).reshape(-1).expand(len(pos))
-        deeper = torch.arange(self.U)[None, :] > d[:, None]                       # [len(pos), U]
-        ahead = self.real[pos] & deeper
-        if ahead.any():
-            self.pool.release(self.table[pos][ahead].tolist(), self)
-            self.real[pos] &= ~deeper
-            self.block_evals -= int(ahead.sum())
-        rows = self.table[pos]
-        self.table[pos] = torch.where(deeper, rows.gather(1, d[:, None]), rows)
-
-    def unreserve(self, start):
-        """Give back the pages reserved for positions start.. that never ran; the table ends at start."""
-        self._live()
-        ahead = self.real[start:self.n]
-        self.pool.release(self.table[start:self.n][ahead].tolist(), self)
-        self.block_evals -= int(ahead.sum())
-        self.table[start:self.n], self.real[start:self.n], self.n = -1, False, start
+        deeper = torch.arange(self.U)[None, :] > d[:, None]
+        assert not (self.real[pos] & deeper).any(), "a page past the exit is held (a runner hands it back first)"
+        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]), self.table[pos])
 
     def collapse(self, pos, depth):
         """Table 17 baselines: read token i at one depth (0-based depth[i]) from every depth, and

@@ -37,8 +37,7 @@ from model import check_prompt, exit_stats
 from request import Request
 from modes import MODES
 from scheduler import scheduler_for
-from serve_depthbatch import HEADS
-from slot_engine import ENGINES, engine_for
+from serve_depthbatch import ENGINES, HEADS, engine_for
 from slot_pass import draw_kind
 from tokenizer import IM_END, chat_ids, check_chat
 

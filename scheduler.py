@@ -1,7 +1,7 @@
 """
 Which requests run next (App. A.2): the queue, admission, chunks within the row budget and the free
-pages, and whom a dry pool costs. Both engines schedule with it (serve_depthbatch.Engine and
-slot_engine.SlotEngine).
+pages, and whom a dry pool costs. The engine's host (serve_depthbatch.Engine) schedules with it,
+whichever runner applies the block.
 
 It decides and hands back; the engine acts. `chunks` proposes the chunks of positions to start this
 step one at a time, the running requests oldest first, then requests admitted from the queue; the
@@ -10,12 +10,12 @@ pool dry. `evict` moves the newest request back to the front of the queue and ha
 engine frees its pages and rows, and on its return rebuilds its cache by replaying the exits it
 already had (memory is capacity: a preempted request continues exactly as it would have).
 
-A request in the queues is the engine's own record of it (rows.Live, rows.Seat): its .req,
-.done (positions whose rows have all finished) and .runnable() (positions it must run).
+A request in the queues is the engine's own record of it (rows.Live): its .req, .done (positions
+whose rows have all finished) and .runnable() (positions it must run).
 """
 from collections import deque
 
-from modes import MODES, keeps_one_depth, n_run
+from modes import keeps_one_depth, n_run
 
 SCHEDULERS = ["continuous", "nested", "fixed"]
 
@@ -57,42 +57,6 @@ def dry_pool(r, pool, U):
             "every position at every depth)")
 
 
-# ----------------------------------------------------------------------------- passes a running request still needs
-# The slot engine launches several passes before it reads what they did (slot_engine.py): how many
-# passes a request's remaining tokens take, with `pending` passes run but not yet read.
-
-def per_token(r, U):
-    """The fewest and the most passes a decode token of r takes: all its depths where its rows run
-    to the last (fixed, Ouro mode), else 1 to all."""
-    m = n_run(r, U)
-    rule = MODES[r.mode].decode
-    return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
-
-
-def surely_done(s, pending, U):
-    """Whether s may have sampled its last token within `pending` passes not read yet (each token takes
-    at least its fewest passes)."""
-    return s.ending or len(s.req.tokens) + pending // per_token(s.req, U)[0] >= s.req.max_tokens
-
-
-def passes_sure(s, pending, U):
-    """The passes in which s surely still runs a row, after `pending` passes not read yet: a request
-    with tokens to come always has a row running, its current token takes at least one more pass and
-    each later one at least its fewest; a prompt or replay still to run: one (a decision is due)."""
-    if s.done < s.host_end:
-        return 1
-    return (s.req.max_tokens - len(s.req.tokens) - 1) * per_token(s.req, U)[0] + 1 - pending
-
-
-def passes_left(s, pending, U):
-    """The most passes s may still run after `pending` passes not read yet: its tokens to come, each at
-    most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
-    replay still to run: one pass at a time (a decision is due)."""
-    if s.done < s.host_end:
-        return 1
-    return max((s.req.max_tokens - len(s.req.tokens)) * per_token(s.req, U)[1] - pending, 0)
-
-
 class Scheduler:
     """The waiting queue and the running list of one engine, and its rules: at most max_batch
     requests running, at most max_rows rows starting a step, and the kind of scheduler
@@ -110,10 +74,11 @@ class Scheduler:
         """The chunks to start this step, one at a time: yields (s, end), positions s.done..end-1,
         and the engine starts them before the next is chosen. rows: the rows already in flight;
         free: the pages left for new chunks (a chunk's rows take one per depth they may run).
-        ready(s): "chunk" if s may start one, "started" if its next row has started already (the
-        slot engine restarts decode rows on the device: it counts against the budget of the requests
-        after it, as a decode chunk would), anything else if neither. wave: the depth of the fixed
-        wave under way, if any. A request admitted from the queue is yielded with .seq None."""
+        ready(s), the runner's: "chunk" if s may start one, "started" if its next row has started
+        already (the slot runner restarts decode rows on the device: it counts against the budget of
+        the requests after it, as a decode chunk would), anything else if neither. wave: the depth
+        of the fixed wave under way, if any. A request admitted from the queue is yielded with .seq
+        None."""
         joins = lambda s: self.kind != "fixed" or wave in (None, n_run(s.req, self.U))
         for s in list(self.running):
             how = ready(s) if s in self.running else None    # starting a chunk may have preempted s

@@ -36,8 +36,7 @@ from model import exit_stats
 from ragged import page_bytes, pool_pages
 from request import SEED_MAX, Request
 from scheduler import SCHEDULERS
-from serve_depthbatch import HEADS
-from slot_engine import ENGINES, engine_for
+from serve_depthbatch import ENGINES, HEADS, engine_for
 from tokenizer import IM_END, chat_ids, has_chat
 
 MAX_BODY = 16 << 20                       # bytes of one request body

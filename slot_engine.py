@@ -1,230 +1,182 @@
 """
-The depth-batching engine over one graph-captured pass: the host that drives slot_pass.run_pass.
+The slot runner: the engine's pass on the device (slot_pass.run_pass), driven by the one host,
+serve_depthbatch.Engine, through the runner's contract; its graphs and its pages taken ahead.
 
-serve_depthbatch.Engine is the reference: Python lists of rows, a page table per request on the
-host, decisions taken row by row. On a GPU that costs more than the work itself: every pass reads
-values back to the host (which rows exited, which tokens were sampled) and launches about fifty
-small kernels a layer, so the GPU waits on the host. SlotEngine keeps the Engine's rules and
-results (the same tokens, exits of every position, pages and passes; test_slots.py checks it in
-float64) and keeps its state on the device, in slot_pass.Slots:
+The eager runner (serve_depthbatch.EagerRunner) is the reference: Python groups of rows, a page
+table per request on the host, decisions taken row by row. On a GPU that costs more than the work
+itself: every pass reads values back to the host (which rows exited, which tokens were sampled) and
+launches about fifty small kernels a layer, so the GPU waits on the host. The slot runner gives the
+same results (the same tokens, exits of every position and pages; test_slots.py checks it in
+float64, against the eager runner and against each request alone) and keeps its rows on the
+device, in slot_pass.Slots:
 
   * one row slot per row. A decode row whose exit samples a token restarts in place at depth 1 with
     that token on the next pass, so the rows change only when requests come and go;
-  * the page tables live on the device; the host reserves the pages of every depth of a position
-    before it runs and takes back those past its exit;
-  * the pass writes what it decided to a log; the host reads it once every few passes and keeps what
-    belongs to the host: admission, page ownership and reservation, preemption and replay, the
-    requests' tokens and callbacks.
+  * the page tables live on the device: the runner takes the pages of every depth of a position
+    before it runs (reserve), and hands back those past its exit when the log says where it was;
+  * the pass writes what it decided to a ring of log entries; each step launches a few passes and
+    reads the log of the step before, while its own passes run, so that the device does not wait
+    for the host's reading, admitting or deciding: a request admitted, a prompt chunk started,
+    joins the passes of the next step.
 
 On CUDA the pass is compiled whole (slot_pass.compiled_pass) and every bucket of rows (2, 4, 8, ...)
-is captured as a CUDA graph when the engine starts, then replayed; between replays the host's writes
-travel in one copy (slot_pass.Upload). What the pass does not cover stays with the Engine: the nested
-scheduler, the shared LM head, the Table 17 caches. engine_for picks the engine for a device.
+is captured as a CUDA graph when the engine starts, for each kind of pass (with and without the LM
+head, each draw), then replayed; the host's writes between replays travel in one copy
+(slot_pass.Upload), the log and the rows' state back in one (slot_pass.Download). What the pass does
+not cover is the eager runner's: the nested scheduler, the shared LM head, the Table 17 caches.
 
-A request's record here is rows.Seat; the queue and admission are scheduler.py's, as the Engine's
-are; the graphs are slot_pass.Graphs. Read top to bottom: the engine (its interface, what the host
-decides between passes, the passes and their log, endings); engine_for.
+Read top to bottom: the runner and its contract (what it refuses, the rows the host starts, pages);
+what it decides between passes; the passes and their log; endings and checks.
 """
-
 import torch
 
 from configurator import UserError
-from kernels import resolve_impl, splits_for
-from modes import as_fixed, check_request, decode_rule, keeps_one_depth, n_run, position_rules
-from ragged import PagePool, RaggedSeq
+from kernels import splits_for
+from modes import MODES, decode_rule, keeps_one_depth, n_run, position_rules
 from request import seed_bits
-from scheduler import Scheduler, passes_left, passes_sure, surely_done
-from serve_depthbatch import Engine, check_pool
-from rows import Seat
+from rows import Log, Said
 from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, can_capture, compiled_pass,
                        run_pass, sampling_kind)
 
-SCHEDULERS = ["continuous", "fixed"]        # the Engine's, but nested (a wave is a host loop)
-ENGINES = ["auto", "eager", "slots"]       # engine_for: this engine or serve_depthbatch.Engine
+
+# ----------------------------------------------------------------------------- passes a request still needs
+# The runner launches passes before it reads what earlier ones did: how many passes a request's
+# remaining tokens may take, with `pending` passes run but not read yet.
+
+def per_token(r, U):
+    """The fewest and the most passes a decode token of r takes: all its depths where its rows run
+    to the last (fixed, Ouro mode), else 1 to all."""
+    m = n_run(r, U)
+    rule = MODES[r.mode].decode
+    return (m, m) if rule.exit == "never" or rule.run_full else (1, m)
 
 
-# ----------------------------------------------------------------------------- the host
+def surely_done(s, pending, U):
+    """Whether s may have sampled its last token within `pending` passes not read yet (each token takes
+    at least its fewest passes)."""
+    return s.ending or len(s.req.tokens) + pending // per_token(s.req, U)[0] >= s.req.max_tokens
 
-class SlotEngine:
-    """The Engine's interface and rules (serve_depthbatch.Engine: add, step, run, busy, check, stats,
-    finished), over Slots and run_pass. A step applies the host's decisions, runs `sync_every` passes
-    (one when a decision may be due: requests wait, or a prompt has chunks to go) and reads their log.
 
-    Where it departs from the Engine, by design: pages are reserved for every depth of a position
-    before it runs (the device decides the exits) and returned at its exit, so a tight pool preempts
-    earlier; a fixed wave holds requests of one depth until they finish; the nested scheduler, the
-    shared head and the Table 17 modes are the Engine's alone. graphs: capture every bucket as a CUDA
-    graph when the engine starts, for each of the `sampling` kinds (slot_pass.SAMPLING; a kind left out
-    is captured on its first use); fuse: compile the pass whole (compiled_pass); "auto": both on CUDA.
-    The model's projections are stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
+def passes_sure(s, pending, U):
+    """The passes in which s surely still runs a row, after `pending` passes not read yet: a request
+    with tokens to come always has a row running, its current token takes at least one more pass and
+    each later one at least its fewest; a prompt or replay still to run: one (its next chunk waits)."""
+    if s.done < s.host_end:
+        return 1 - pending
+    return (s.req.max_tokens - len(s.req.tokens) - 1) * per_token(s.req, U)[0] + 1 - pending
 
-    def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
-                 sync_every=8, graphs="auto", fuse="auto", overlap=True, keep_logits=False, n_stop=8,
-                 sampling=SAMPLING):
-        if scheduler not in SCHEDULERS:
-            raise UserError(f"--scheduler={scheduler!r}; allowed with the slot engine: {', '.join(SCHEDULERS)} "
-                            "(the nested scheduler runs on --engine=eager)", "scheduler")
-        # the engine's model is frozen: no parameter that requires grad reaches a compiled pass (autograd
-        # would trace a joint graph, and the survive update of Eq. 4 in place would fail it)
-        self.model, self.U = model.requires_grad_(False).fuse_projections(), model.config.n_loops
-        self.device = model.lm_head.weight.device
-        try:
-            attn = resolve_impl(attn, self.device)
-        except ValueError as e:
-            raise UserError(str(e), "attn")
+
+def passes_left(s, pending, U):
+    """The most passes s may still run after `pending` passes not read yet: its tokens to come, each at
+    most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
+    replay still to run: one pass at a time."""
+    if s.done < s.host_end:
+        return 1
+    return max((s.req.max_tokens - len(s.req.tokens)) * per_token(s.req, U)[1] - pending, 0)
+
+
+class Ticket:
+    """Passes launched and not read yet: the bucket of each, the index of the first in the log ring,
+    the copies of their log and of the rows' state coming to the host and the event that marks their
+    landing, and what the host did to the rows since they were launched (replayed on the copies)."""
+
+    def __init__(self, launched, first, copies, landed):
+        self.launched, self.first, self.copies, self.landed = launched, first, copies, landed
+        self.since = []           # ("perm", permutation) | ("start", row slots, request slot) | ("free", slot)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+class SlotRunner:
+    """serve_depthbatch.Engine's runner on the device, over Slots and run_pass. A step launches up to
+    `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a prompt
+    has chunks to start) and reads the log of the step before (overlap; overlap=False: its own, at
+    once, the eager runner's order of passes exactly). graphs: capture every bucket as a CUDA graph
+    when the engine starts, for each kind of pass and each of the `sampling` draws (slot_pass.SAMPLING;
+    a draw left out is captured on its first use); fuse: compile the pass whole (compiled_pass);
+    "auto": both where slot_pass can capture graphs (CUDA). The model is frozen and its projections
+    stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
+
+    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto", overlap=True,
+                 keep_logits=False, n_stop=8, sampling=SAMPLING):
+        if engine.scheduler.kind == "nested":
+            raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager", "scheduler")
         if attn == "flex":
-            raise UserError("--attn=flex builds its mask on the host; the slot engine reads torch or triton", "attn")
-        check_pool(model, kv_pages)
-        self.pool = PagePool.for_model(model, kv_pages, scratch=True)
-        self.scheduler = Scheduler(self.pool, self.U, max_batch, max_rows, scheduler)
-        self.attn = attn
-        self.sync_every, self.head = sync_every, "eager"          # the LM head runs on every pass
-        n_keys = model.config.block_size
-        self.slots = Slots(model, self.pool, max_rows + 2 * max_batch, max_batch, n_keys, max(sync_every, self.U),
-                           n_stop, keep_logits)
-        self.n_splits = lambda R: splits_for(R * model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
+            raise UserError("--attn=flex builds its mask on the host; the slot runner reads torch or triton", "attn")
+        if head != "eager":
+            raise UserError(f"--head={head}: the slot runner runs the LM head on every pass (--engine=eager shares "
+                            "it)", "head")
+        self.e, self.U, self.device, self.attn = engine, engine.U, engine.device, attn
+        self.depths = torch.arange(self.U)[None, :]
+        # frozen: no parameter that requires grad reaches a compiled pass (autograd would trace a joint
+        # graph, and the survive update of Eq. 4 in place would fail it)
+        self.model = engine.model.requires_grad_(False).fuse_projections()
+        self.sync_every, self.due_every, self.overlap = sync_every, due_every, overlap
+        # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits for their log
+        R, S, n_keys = engine.scheduler.max_rows + 2 * engine.scheduler.max_batch, 2 * engine.scheduler.max_batch, \
+            self.model.config.block_size
+        self.slots = Slots(self.model, engine.pool, R, S, n_keys, max(sync_every, self.U), n_stop, keep_logits)
+        self.n_splits = lambda R: splits_for(R * self.model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
         capture = can_capture(self.device)
         self.graphs = Graphs(self.slots.buffers) if (capture if graphs == "auto" else graphs) else None
         self.fuse = capture if fuse == "auto" else fuse
-        self.upload = Upload(self.device)
-        self.finished = []
-        self.by_slot, self.free_slots = [None] * max_batch, list(range(max_batch - 1, -1, -1))
-        self.next_id = 0
+        self.upload, self.download = Upload(self.device), Download(self.device)
+        self.by_slot, self.free_slots, self.freed = [None] * S, list(range(S - 1, -1, -1)), []
         # the host's copy of the rows, as of the last log read and its own writes since: which are live
         # (running or holding a token), of which request slot, how many run; and what it will write
         self.live = torch.zeros(self.slots.R, dtype=torch.bool)
-        self.row_req = torch.full((self.slots.R,), max_batch, dtype=torch.long)
-        self.slots_active, self.R_now = 0, 2
-        self.restarted = set()                                         # seats the device restarted in the last pass
+        self.row_req = torch.full((self.slots.R,), S, dtype=torch.long)
+        self.slots_active, self.R_now, self.restarted = 0, 2, set()
         self._admits, self._rows, self._pages, self._perm = [], [], [], None     # the host's writes of this step
-        # passes whose log is not read yet (see step), and the copies to the host that it reads
-        self.overlap, self.ticket, self.download = overlap, None, Download(self.device)
-        # passes: those in which a row ran (the Engine's count); launched: all, idle ones too; waits: log reads
-        # that waited for the device
-        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0, head_calls=0, head_rows=0,
-                          launched=0, waits=0)
-        self.passes_run, self.read_early = 0, []
+        self.ticket, self.passes_run = None, 0
+        # launched: passes, idle ones too (passes with rows: the host's count); waits: log reads that waited
+        # for the device; drained: passes whose log was read with no pass launched behind them (the device
+        # then waits for the host)
+        engine.stats.update(launched=0, waits=0, drained=0)
         if self.graphs is not None:       # every kind of pass it runs, now: serving never stalls on a first use
-            buckets = sorted({bucket(n, self.slots.R) for n in range(1, self.slots.R + 1)})
-            heads = (True,) if scheduler != "fixed" or self.U == 1 else (False, True)     # a fixed wave: both
-            self.graphs.capture_all([(R, n_keys, h, k) for R in buckets for h in heads for k in sampling], self._pass)
+            buckets = sorted({bucket(n, R) for n in range(1, R + 1)})
+            heads = (True,) if engine.scheduler.kind != "fixed" or self.U == 1 else (False, True)   # a wave: both
+            self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads for k in sampling], self._pass)
 
-    # ------------------------------------------------------------------ the Engine's interface
+    # ------------------------------------------------------------------ the contract: what differs by design
 
-    def add(self, r):
-        """Queue a request after checking it (UserError, nothing queued, if it is malformed, could never
-        fit the pool, or asks for what this engine leaves to the Engine)."""
-        if self.scheduler.kind == "fixed":
-            as_fixed(r, self.U)
-        self.check_request(r)
-        self.scheduler.waiting.append(Seat(r, self.next_id))
-        self.next_id += 1
-        return r
-
-    def check_request(self, r):
-        check_request(r, self.model.config, self.pool.n_pages)
+    def refuse(self, r):
+        """What the eager runner alone runs: the Table 17 caches; more stop ids than the slots hold;
+        logits kept without keep_logits (UserError, nothing queued)."""
+        st = self.slots
         if keeps_one_depth(r):
             raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager engine (--engine=eager)", "mode")
-        if len(r.stop) > self.slots.stop_ids.shape[1]:
-            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most {self.slots.stop_ids.shape[1]}",
-                            "stop")
-        if r.keep_logits and self.slots.logits is None:
+        if len(r.stop) > st.stop_ids.shape[1]:
+            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most {st.stop_ids.shape[1]}", "stop")
+        if r.keep_logits and st.logits is None:
             raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
 
-    run = Engine.run                             # the eager engine's: add, then step until not busy
+    def ready(self, s):
+        """The host starts a request's prompt and replay chunks; its decode tokens restart on the
+        device, and one that restarted in the last pass read counts against the budget of the requests
+        after it, as the eager runner's decode chunk would."""
+        if s in self.restarted:
+            return "started"
+        return None if s.rows or s.done >= s.host_end else "chunk"
 
-    def busy(self):
-        """Whether work is left: requests queued or running, or tokens that check() read for the next
-        step to return."""
-        return self.scheduler.busy() or bool(self.read_early)
+    def budget(self):
+        """Rows running (those restarted in the last pass read count at their request: ready), and the
+        free pages (a position's pages are all taken before it runs)."""
+        self.restarted &= set(self.e.scheduler.running)
+        return self.slots_active - len(self.restarted), len(self.e.pool.free)
 
-    @torch.inference_mode()
-    def step(self):
-        """Apply the host's decisions, run a few passes on the device, read a log. While no decision
-        can be due (nothing waits, no prompt chunk is to start), the log of these passes is read at
-        the next step, while the next passes run, so that the device never waits on the host; else
-        at once. Returns [(request, token)] sampled in the passes whose log was read."""
-        sampled, self.read_early = self.read_early, []
-        if self.ticket is not None and self._due():
-            sampled += self._read_log(self.ticket)             # know the state before deciding
-            self.ticket = None
-        self._drop_cancelled()
-        waves = self._schedule()                               # admit, start prompt chunks, reserve pages, preempt
-        ticket = self._run(waves) if waves else None           # the passes: graph replays on CUDA
-        if self.ticket is not None:
-            sampled += self._read_log(self.ticket)             # the previous passes, while these run
-        self.ticket = ticket
-        if ticket is not None and (self._due() or not self.overlap):
-            sampled += self._read_log(ticket)
-            self.ticket = None
-        return sampled
-
-    def _due(self):
-        """Whether the host may have to decide something after the next pass: a request waits, or a
-        prompt (or replay) has chunks to start."""
-        return bool(self.scheduler.waiting) or any(s.done < s.host_end for s in self.scheduler.running)
-
-    # ------------------------------------------------------------------ what the host decides between passes
-
-    def _schedule(self):
-        """Start prompt (and replay) chunks and admit waiting requests by the Engine's rules, reserve
-        the pages the coming passes may write, choose the bucket. Returns the passes to run, as
-        waves: tuples of head flags, each run as one graph (a fixed wave: the head on its last pass
-        only; otherwise one pass, the head on)."""
-        self._start_chunks()
-        pending = len(self.ticket[0]) if self.ticket is not None else 0      # passes run but not read yet
-        running = self.scheduler.running
-        if not self.live.any() or (pending and all(surely_done(s, pending, self.U) for s in running)):
-            return []
-        due = self._due()
-        if self.scheduler.kind == "fixed":  # every live row starts a wave at depth 1, all of one depth
-            m = self._wave_depth()
-            most = max(passes_left(s, pending, self.U) for s in running)       # exact: a wave runs a whole token
-            waves = [(False,) * (m - 1) + (True,)] * (1 if due else max(1, min(self.slots.log_len, most) // m))
-        else:
-            sure = max(passes_sure(s, pending, self.U) for s in running)       # no pass without a row in it
-            if pending and sure <= 0:
-                return []                                                     # read the log first
-            waves = [(True,)] * (1 if due else max(1, min(self.sync_every, sure)))
-        self._reserve_ahead(pending + sum(len(w) for w in waves))
-        if self.scheduler.waiting:                    # a preemption left a request waiting: decide again after one wave
-            waves = waves[:1]
-        self._choose_bucket(due=due)
-        self._flush()
-        return waves if self.live.any() else []
-
-    def _start_chunks(self):
-        """The scheduler's chunks over the slots (as Engine._start_groups): a running request whose
-        rows have all finished and whose next positions the host starts (a prompt or replay chunk)
-        gets its next chunk, a request admitted from the queue its request slot first. The device
-        already started the decode tokens (restarts): like the Engine's decode chunks, each counts
-        against the budget of the requests after it."""
-        sched = self.scheduler
-        self.restarted &= set(sched.running)
-        wave = self._wave_depth() if sched.kind == "fixed" and self.live.any() else None
-        ready = lambda s: ("started" if s in self.restarted else
-                           None if s.rows or s.holding or s.done >= s.host_end else "chunk")
-        started = bool(self.restarted)
-        for s, end in sched.chunks(self.slots_active - len(self.restarted), len(self.pool.free), ready, wave):
-            if s.seq is None:
-                self._admit(s)
-            self._start_chunk(s, end)
-            started = True
-        self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(sched.running))
-        if not started and not self.live.any() and sched.running:
-            self._evict()                   # nothing can start: the pages are held by requests that need more
-
-    def _wave_depth(self):
-        """The depth of the fixed wave under way: that of the request of any live row."""
+    def wave(self):
+        """The depth of the fixed wave under way (that of the request of any live row), if any."""
+        if self.e.scheduler.kind != "fixed" or not self.live.any():
+            return None
         return n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
 
-    def _admit(self, s):
+    def admit(self, s):
         """A request slot for s, filled with what its decode rows need on the device."""
         r, st = s.req, self.slots
         s.slot = self.free_slots.pop()
         self.by_slot[s.slot] = s
-        s.seq = RaggedSeq(self.pool, self.U, len(r.prompt) + r.max_tokens)
-        s.host_end = len(r.prompt) + len(r.tokens) - (1 if s.ending else 0)
+        s.host_end = s.runnable()
         tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
         self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens, dec_n_run=n_run(r, self.U),
@@ -232,12 +184,13 @@ class SlotEngine:
                                           seed=seed_bits(r.seed), top_k=r.top_k, temperature=r.temperature,
                                           top_p=r.top_p)))
 
-    def _start_chunk(self, s, end):
+    def start(self, s, end):
         """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with the
-        pages of every depth they may run; the last position of the context samples the next token."""
+        pages of every depth they may run; the last position of the context samples the next token.
+        False if taking the pages preempted s itself."""
         r, start, m = s.req, s.done, n_run(s.req, self.U)
         if not self._reserve(s, start, end - 1):
-            return
+            return False
         taus, full, forced, _ = position_rules(r, start, end)
         ctx = r.prompt + r.tokens
         free_rows = (~self.live).nonzero()[:, 0]
@@ -248,226 +201,33 @@ class SlotEngine:
                                      sample=[p == len(ctx) - 1 for p in range(start, end)], fresh=True, hold=False)))
         self.live[idx], self.row_req[idx] = True, s.slot
         self.slots_active += end - start
-        s.started, s.rows = end, end - start
-        self.stats["replayed_rows"] += sum(1 for f in forced if f)
-
-    def _reserve_ahead(self, n_passes):
-        """Pages for every position a decode row may reach in the coming passes (a row starts at most
-        one position a pass), every depth it may run; the oldest requests first. When the pool runs dry
-        the newest request is preempted, as in the Engine."""
-        for s in list(self.scheduler.running):
-            if s not in self.scheduler.running or s.ending or s.started < s.host_end:
-                continue
-            self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
-
-    def _reserve(self, s, first, last):
-        """Pages for positions first..last at every depth s may run, in its host table and (at the next
-        flush) in its device table; the device restarts a row only where pages are reserved. When the
-        pool runs dry the newest request is preempted (s itself, perhaps: then False), as in the Engine."""
-        m = n_run(s.req, self.U)
-        while s in self.scheduler.running and (last - first + 1) * m > len(self.pool.free):
-            self._evict()
-        if s not in self.scheduler.running or last < first:
-            return s in self.scheduler.running
-        if last + 1 > s.seq.n:
-            s.seq.extend(last + 1 - s.seq.n)
-        pos = torch.arange(first, last + 1)
-        pages = torch.tensor(self.pool.alloc(len(pos) * m, s.seq), dtype=torch.long).view(len(pos), m)
-        s.seq.alloc_depth(pos, slice(0, m), pages)
-        self._pages.append((s.slot, pos, pages))
-        s.reserved = max(s.reserved, last)
+        if self.ticket is not None:
+            self.ticket.since.append(("start", idx, s.slot))
+        self.e.stats["replayed_rows"] += sum(1 for f in forced if f)
         return True
 
-    def _flush(self):
-        """The host's writes of this step, in one copy (Upload): request slots admitted, new rows, reserved
-        pages, horizons, then the compaction's permutation of the rows."""
-        st, up = self.slots, self.upload
-        for at, fields in self._admits + self._rows:          # a request slot, or the rows of a chunk
-            for name, value in fields.items():
-                up.write(getattr(st, name), at, value)
-        for slot, pos, pages in self._pages:
-            up.write(st.table, (slot, torch.arange(pages.shape[1])[None, :], pos[:, None]), pages)
-        if self.scheduler.running:
-            up.write(st.horizon, torch.tensor([s.slot for s in self.scheduler.running]),
-                     [s.reserved for s in self.scheduler.running])
-        up.send([getattr(st, name) for name in ROWS], self._perm)
-        self._admits, self._rows, self._pages, self._perm = [], [], [], None
+    def idle(self):
+        return not self.live.any()
 
-    def _choose_bucket(self, due=False):
-        """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are moved to
-        the front (a permutation, sent with the step's writes) when a smaller bucket would hold them: at
-        once when that quarters the bucket, else once no decision is due (a prompt in flight shrinks pass
-        by pass: each bucket is one more graph to replay). While passes run unread, the host's copy of
-        the rows may list rows that have gone idle since, never one that started: moving them too is
-        harmless, and the copy of the rows those passes return is permuted alike when it is read."""
-        live = self.live.nonzero()[:, 0]
-        cap = self.slots.R
-        now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (2, 2)
-        if len(live) and (now >= 4 * least or (now > least and not due)):
-            perm = torch.cat([live, (~self.live).nonzero()[:, 0]])
-            self._perm = perm if self._perm is None else self._perm[perm]
-            if self.ticket is not None:
-                self.ticket[4].append(perm)
-            self.live, self.row_req = self.live[perm], self.row_req[perm]
-            live = self.live.nonzero()[:, 0]
-        self.R_now = bucket(int(live[-1]) + 1 if len(live) else 1, cap)
+    def hand_back(self, s, pos, depth):
+        """The pages taken ahead for depths past each stopped row's exit go back to the pool: never
+        computed (then Eq. 11 aliases those entries)."""
+        seq = s.seq
+        deeper = self.depths > depth[:, None]
+        pages = seq.table[pos][seq.real[pos] & deeper].tolist()
+        seq.pool.release(pages, seq)
+        seq.real[pos] &= ~deeper
+        seq.block_evals -= len(pages)
 
-    # ------------------------------------------------------------------ the passes, and what they did
-
-    def _run(self, waves):
-        """The passes on the device (a graph replay per wave on CUDA, run_pass itself elsewhere), then
-        a copy of their log and of the rows' state, started without waiting. Returns the ticket that
-        _read_log takes: (buckets of the passes, the first pass's index, the copies, an event)."""
-        R, st = self.R_now, self.slots
-        sampling = sampling_kind(s.req for s in self.scheduler.running)
-        longest = max(s.started for s in self.scheduler.running) + sum(len(w) for w in waves)
-        if self.ticket is not None:
-            longest += len(self.ticket[0])
-        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under graphs
-        n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
-        launched = []
-        for head in (h for wave in waves for h in wave):
-            run = self._pass(R, n_keys, head, sampling)
-            if self.graphs is not None:
-                self.graphs.replay((R, n_keys, head, sampling), run)
-            else:
-                run()
-            launched.append(R)
-            self.stats["head_calls"] += head
-        self.stats["launched"] += len(launched)
-        first, self.passes_run = self.passes_run, self.passes_run + len(launched)
-        rows = torch.stack([st.active.long(), st.hold.long(), st.req])
-        host, done = self.download.start(st.log + [rows] + ([st.logits] if st.logits is not None else []))
-        return launched, first, host, done, []         # [] the compactions made while it is unread
-
-    def _pass(self, R, n_keys, head, sampling):
-        """One pass, as a function for a graph to capture (a fixed wave replays the head-less one, then
-        the one with the head)."""
-        pass_fn, st = compiled_pass() if self.fuse else run_pass, self.slots
-        return lambda: pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
-
-    def _read_log(self, ticket):
-        """A ticket's log, pass by pass: exits recorded, tokens delivered (callbacks, stop ids,
-        max_tokens), stopped rows aliased in the host tables and their unused pages returned,
-        restarts noted, finished and cancelled requests ended. Returns [(request, token)] delivered."""
-        launched, first, copies, done, perms = ticket
-        log, (rows, *logits) = copies[:len(LOG)], copies[len(LOG):]
-        if done is not None:
-            done.synchronize()
-        self.stats["waits"] += 1
-        st = self.slots
-        L = st.log_len
-        self.live, self.row_req, self.slots_active = (rows[0] + rows[1]) > 0, rows[2].clone(), int(rows[0].sum())
-        for perm in perms:                            # the rows as the host has moved them since
-            self.live, self.row_req = self.live[perm], self.row_req[perm]
-        delivered = []
-        for i, R in enumerate(launched):
-            at = (first + i) % L
-            self.restarted = set()
-            ran = 0
-            for r, (slot, pos, depth, exit, tok, stop, go) in enumerate(zip(*[f[at, :R].tolist() for f in log])):
-                s = self.by_slot[slot] if slot < st.S else None
-                if s is None:
-                    continue
-                ran += depth > 0
-                if exit and pos >= len(s.req.exits):
-                    s.exits[pos] = exit
-                if tok >= 0:
-                    self._deliver(s, tok, logits[0][at, r].clone() if logits else None)
-                    delivered.append((s.req, tok))
-                if stop:
-                    s.stops.append((pos, depth - 1))
-                    s.rows -= 1
-                if go:                                  # its positions so far are done; pos + 1 starts
-                    s.rows, s.done, s.started, s.holding = s.rows + 1, pos + 1, pos + 2, False
-                    self.restarted.add(s)
-            if ran:
-                self.stats["passes"] += 1
-                self.stats["rows"] += ran
-            for s in list(self.scheduler.running):
-                self._settle(s)
-        for s in self.scheduler.running:
-            self._apply_stops(s)
-        return delivered
-
-    def _apply_stops(self, s):
-        """The host table takes the aliases (Eq. 11) of the rows that stopped, in one call."""
-        if s.stops:
-            pos, depth = torch.tensor(s.stops).T
-            s.seq.stop(pos, depth)
-            s.stops = []
-
-    def _deliver(self, s, tok, logits):
-        r = s.req
-        if r.keep_logits:
-            r.logits.append(logits)
-        r.tokens.append(tok)
-        self.stats["head_rows"] += 1
-        if r.on_token is not None:
-            r.on_token(r, tok)
-        if len(r.tokens) >= r.max_tokens or tok in r.stop:
-            s.ending = True
-            r.finish_reason = "stop" if tok in r.stop else "length"
-        else:
-            s.holding = True
-
-    def _settle(self, s):
-        """After a pass: a request whose rows have all finished has done its positions (their exits join
-        req.exits), and ends if its last token is sampled; a cancelled one ends now (what
-        the device ran for it after this pass is dropped, as the Engine would not have run it)."""
-        r = s.req
-        if s.rows == 0:
-            s.done = s.started
-        while len(r.exits) < s.done:                             # as the Engine records them: when a chunk is done
-            r.exits.append(s.exits.pop(len(r.exits)))
-        if s.rows == 0:
-            if s.ending and s.done >= s.runnable():
-                self._apply_stops(s)
-                self._finish(s, r.finish_reason)
-                return
-        if r.cancelled:
-            self._finish(s, "cancelled")
-
-    # ------------------------------------------------------------------ endings
-
-    def _drop_cancelled(self):
-        for s in [s for s in list(self.scheduler.running) + list(self.scheduler.waiting) if s.req.cancelled]:
-            self._finish(s, "cancelled")
-
-    def _evict(self):
-        """The pool ran dry: the request the scheduler hands back loses its pages and its slot (its
-        exits so far are kept, and on its return its cache is rebuilt by a recomputation that
-        replays them, as in the Engine), or, alone and still too big, fails."""
-        s, error = self.scheduler.evict()
-        if error is not None:
-            self._finish(s, "error", error)
-            return
-        self._apply_stops(s)
-        s.seq.unreserve(s.started)
-        s.evals_before += s.seq.block_evals
-        s.seq.release()
-        self._free_slot(s)
-        s.seq, s.done, s.started, s.rows, s.holding, s.exits, s.reserved = None, 0, 0, 0, False, {}, -1
-        s.stops = []
-        self.stats["preemptions"] += 1
-
-    def _finish(self, s, reason, error=None):
-        r = s.req
-        if s.seq is not None:
-            self._apply_stops(s)
-            s.seq.unreserve(min(s.started, s.seq.n))          # pages reserved ahead for positions never run
-            r.kv = dict(s.seq.stats(), block_evals=s.seq.block_evals + s.evals_before)
-            s.seq.release()
-            s.seq = None
-        self._free_slot(s)
-        r.finish_reason, r.error = reason, error
-        self.scheduler.remove(s)
-        self.finished.append(r)
-        if r.on_token is not None:
-            r.on_token(r, None)                              # None: the request has ended
-
-    def _free_slot(self, s):
-        """Its rows go idle on the device (the padding request), its table points at the scratch page."""
+    def drop(self, s):
+        """s ends or is preempted: the pages taken ahead for positions that never ran go back, its rows
+        go idle on the device (the padding request) and its table points at the scratch page. While
+        passes it ran in are unread, its slot waits for their log before another request takes it."""
+        seq, start = s.seq, min(s.started, s.seq.n)
+        ahead = seq.real[start:seq.n]
+        seq.pool.release(seq.table[start:seq.n][ahead].tolist(), seq)
+        seq.block_evals -= int(ahead.sum())
+        seq.table[start:seq.n], seq.real[start:seq.n], seq.n = -1, False, start
         if s.slot is None:
             return
         st, i = self.slots, s.slot
@@ -486,63 +246,230 @@ class SlotEngine:
         self._rows = [(idx, f) for idx, f in self._rows if f["req"] != i]
         self._admits = [a for a in self._admits if a[0] != i]
         self.by_slot[i], s.slot = None, None
-        self.free_slots.append(i)
+        if self.ticket is not None:
+            self.ticket.since.append(("free", i))
+            self.freed.append(i)
+        else:
+            self.free_slots.append(i)
 
-    def fail_running(self, error):
-        """After an unexpected error inside a step: end every admitted request with `error`."""
-        for s in list(self.scheduler.running):
-            self._finish(s, "error", error)
+    def busy(self):
+        return self.ticket is not None
+
+    def flush(self):
+        """The log of the passes not read yet, now (Engine.check reads it before it checks)."""
+        if self.ticket is None:
+            return []
+        ticket, self.ticket = self.ticket, None
+        return self._read(ticket, drained=True)
+
+    # ------------------------------------------------------------------ a step
+
+    def run(self):
+        """A step of depth batching on the device (App. A.2): reserve the pages the coming passes may
+        write, choose the bucket, send the host's writes, launch the passes, and read the log of the
+        passes launched before them (overlap: while these run). Returns the Logs of the passes read."""
+        waves = self._plan()
+        ticket = self._launch(waves) if waves else None
+        logs = []
+        if self.ticket is not None:
+            logs += self._read(self.ticket, drained=ticket is None)   # the previous passes, while these run
+        self.ticket = ticket
+        if ticket is not None and not self.overlap:
+            logs += self._read(ticket, drained=True)
+            self.ticket = None
+        return logs
+
+    def _plan(self):
+        """The passes to launch, as waves: tuples of head flags (a fixed wave: the head on its last pass
+        only; otherwise one pass, the head on). As many as surely have a row in them, at most sync_every
+        (due_every while the host has a decision due); none when every request may have ended in the
+        passes not read yet (their log first)."""
+        pending = len(self.ticket.launched) if self.ticket is not None else 0
+        running = self.e.scheduler.running
+        if not self.live.any() or (pending and all(surely_done(s, pending, self.U) for s in running)):
+            return []
+        due = bool(self.e.scheduler.waiting) or any(s.done < s.host_end for s in running)
+        most = 1 if due and not self.overlap else self.due_every if due else None
+        if self.e.scheduler.kind == "fixed":  # every live row starts a wave at depth 1, all of one depth
+            m = self.wave()
+            left = max(passes_left(s, pending, self.U) for s in running)       # exact: a wave runs a whole token
+            waves = [(False,) * (m - 1) + (True,)] * max(1, min(self.slots.log_len, left, most or left) // m)
+        else:                    # no pass without a row in it: a chunk started now surely runs in the next
+            fresh = {f["req"] for _, f in self._rows}
+            sure = max(1 if s.slot in fresh else passes_sure(s, pending, self.U) for s in running)
+            if pending and sure <= 0:
+                return []
+            waves = [(True,)] * max(1, min(self.sync_every, sure, most or sure))
+        self._reserve_ahead(pending + sum(len(w) for w in waves))
+        if self.e.scheduler.waiting:                  # a preemption left a request waiting: decide again after one wave
+            waves = waves[:1]
+        self._choose_bucket(due=due)
+        self._flush()
+        return waves if self.live.any() else []
+
+    def _reserve_ahead(self, n_passes):
+        """Pages for every position a decode row may reach in the coming passes (a row starts at most
+        one position a pass), every depth it may run; the oldest requests first. When the pool runs dry
+        the newest request is preempted, as by the eager runner."""
+        for s in list(self.e.scheduler.running):
+            if s not in self.e.scheduler.running or s.ending or s.started < s.host_end:
+                continue
+            self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
+
+    def _reserve(self, s, first, last):
+        """Pages for positions first..last at every depth s may run, in its host table and (at the next
+        flush) in its device table; the device restarts a row only where pages are reserved. When the
+        pool runs dry the newest request is preempted (s itself, perhaps: then False)."""
+        m, sched, pool = n_run(s.req, self.U), self.e.scheduler, self.e.pool
+        while s in sched.running and (last - first + 1) * m > len(pool.free):
+            self.e._evict()
+        if s not in sched.running or last < first:
+            return s in sched.running
+        if last + 1 > s.seq.n:
+            s.seq.extend(last + 1 - s.seq.n)
+        pos = torch.arange(first, last + 1)
+        pages = torch.tensor(pool.alloc(len(pos) * m, s.seq), dtype=torch.long).view(len(pos), m)
+        s.seq.alloc_depth(pos, slice(0, m), pages)
+        self._pages.append((s.slot, pos, pages))
+        s.reserved = max(s.reserved, last)
+        return True
+
+    def _flush(self):
+        """The host's writes of this step, in one copy (Upload): request slots admitted, new rows, reserved
+        pages, horizons, then the compaction's permutation of the rows."""
+        st, up, running = self.slots, self.upload, self.e.scheduler.running
+        for at, fields in self._admits + self._rows:          # a request slot, or the rows of a chunk
+            for name, value in fields.items():
+                up.write(getattr(st, name), at, value)
+        for slot, pos, pages in self._pages:
+            up.write(st.table, (slot, torch.arange(pages.shape[1])[None, :], pos[:, None]), pages)
+        if running:
+            up.write(st.horizon, torch.tensor([s.slot for s in running]), [s.reserved for s in running])
+        up.send([getattr(st, name) for name in ROWS], self._perm)
+        self._admits, self._rows, self._pages, self._perm = [], [], [], None
+
+    def _choose_bucket(self, due=False):
+        """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are moved to
+        the front (a permutation, sent with the step's writes) when a smaller bucket would hold them: at
+        once when that quarters the bucket, else once no decision is due (a prompt in flight shrinks pass
+        by pass: each bucket is one more graph to replay). While passes run unread, the host's copy of
+        the rows may list rows that have gone idle since, never one that started: moving them too is
+        harmless, and the copy of the rows those passes return is permuted alike when it is read."""
+        live = self.live.nonzero()[:, 0]
+        cap = self.slots.R
+        now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (2, 2)
+        if len(live) and (now >= 4 * least or (now > least and not due)):
+            perm = torch.cat([live, (~self.live).nonzero()[:, 0]])
+            self._perm = perm if self._perm is None else self._perm[perm]
+            if self.ticket is not None:
+                self.ticket.since.append(("perm", perm))
+            self.live, self.row_req = self.live[perm], self.row_req[perm]
+            live = self.live.nonzero()[:, 0]
+        self.R_now = bucket(int(live[-1]) + 1 if len(live) else 1, cap)
+
+    # ------------------------------------------------------------------ the passes, and what they did
+
+    def _launch(self, waves):
+        """The passes on the device (a graph replay each on CUDA, run_pass itself elsewhere), then one
+        copy of their log and of the rows' state to the host, started without waiting."""
+        R, st = self.R_now, self.slots
+        sampling = sampling_kind(s.req for s in self.e.scheduler.running)
+        longest = max(s.started for s in self.e.scheduler.running) + sum(len(w) for w in waves)
+        if self.ticket is not None:
+            longest += len(self.ticket.launched)
+        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under graphs
+        n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
+        launched = []
+        for head in (h for wave in waves for h in wave):
+            run = self._pass(R, n_keys, head, sampling)
+            if self.graphs is not None:
+                self.graphs.replay((R, n_keys, head, sampling), run)
+            else:
+                run()
+            launched.append(R)
+            self.e.stats["head_calls"] += head
+        self.e.stats["launched"] += len(launched)
+        first, self.passes_run = self.passes_run, self.passes_run + len(launched)
+        packed = torch.cat([torch.stack(st.log).flatten(), st.active.long(), st.hold.long(), st.req])   # one copy
+        copies, landed = self.download.start([packed] + ([st.logits] if st.logits is not None else []))
+        return Ticket(launched, first, copies, landed)
+
+    def _pass(self, R, n_keys, head, sampling):
+        """One pass, as a function for a graph to capture (a fixed wave replays the head-less one, then
+        the one with the head)."""
+        pass_fn, st = compiled_pass() if self.fuse else run_pass, self.slots
+        return lambda: pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
+
+    def _read(self, ticket, drained):
+        """A ticket's log, as the host reads it (its Logs, one a pass), the requests each slot held
+        when the passes ran (None: ended or preempted since), and the host's copy of the rows from
+        their state after the passes, with what the host did since replayed on it. drained: no pass
+        runs behind these (the device waits for the host meanwhile)."""
+        packed, *logits = ticket.copies
+        if ticket.landed is not None:
+            ticket.landed.synchronize()
+        self.e.stats["waits"] += 1
+        self.e.stats["drained"] += len(ticket.launched) if drained else 0
+        st, R = self.slots, ticket.launched[0]
+        log, rows = packed[:-3 * st.R].view(len(LOG), st.log_len, st.R), packed[-3 * st.R:].view(3, st.R)
+        at = (ticket.first + torch.arange(len(ticket.launched))) % st.log_len
+        fields = dict(zip(LOG, log[:, at, :R]))
+        self.live, self.row_req, self.slots_active = (rows[0] + rows[1]) > 0, rows[2].clone(), int(rows[0].sum())
+        for event, *what in ticket.since:
+            if event == "perm":
+                self.live, self.row_req = self.live[what[0]], self.row_req[what[0]]
+            elif event == "start":
+                self.live[what[0]], self.row_req[what[0]] = True, what[1]
+                self.slots_active += len(what[0])
+            else:
+                gone = self.row_req == what[0]
+                self.live &= ~gone
+                self.row_req[gone] = st.S
+        lives = self.by_slot + [None]                         # slot S: the padding request of idle rows
+        go = fields["go"][-1].nonzero()[:, 0]
+        self.restarted = {lives[i] for i in fields["req"][-1, go].tolist()} - {None}
+        if self.ticket is None or self.ticket is ticket:       # no pass of a slot freed since runs unread
+            self.free_slots += self.freed
+            self.freed = []
+        return self._logs(fields, lives, logits[0][at, :R] if logits else None)
+
+    def _logs(self, fields, lives, logits):
+        """The host's Logs of a ticket's passes (rows.Log): the rows each request ran in each pass (one
+        sum), and the entries that say something, found for all the passes at once (one mask), read
+        one by one: no work per idle row."""
+        P = fields["req"].shape[0]
+        n = len(lives)
+        ran = torch.zeros(P * n, dtype=torch.long).index_add_(
+            0, (torch.arange(P)[:, None] * n + fields["req"]).flatten(), (fields["depth"] > 0).long().flatten())
+        said = [[] for _ in range(P)]
+        where = ((fields["exit"] > 0) | (fields["stop"] > 0) | (fields["tok"] >= 0) | (fields["go"] > 0)).nonzero()
+        p_r = where.tolist()
+        values = zip(*[fields[k][where[:, 0], where[:, 1]].tolist() for k in LOG])
+        for (p, r), (i, pos, depth, exit, tok, stop, go) in zip(p_r, values):
+            if lives[i] is not None:
+                said[p].append(Said(lives[i], pos, depth, exit, tok, bool(stop), bool(go),
+                                    logits[p, r].clone() if tok >= 0 and lives[i].req.keep_logits else None))
+        counts = ran.view(P, n).tolist()
+        return [Log([(s, c) for s, c in zip(lives, row) if s is not None and c], said[p])
+                for p, row in enumerate(counts)]
+
+    # ------------------------------------------------------------------ checks
 
     def check(self):
-        """Page invariants of the pool and of every live sequence, and the device's tables against the
-        host's (tests call it after every step): the same pages, aliases included, and no row of a
-        running request reads the scratch page. Reads the log of passes not read yet first (the next
-        step returns its tokens)."""
-        if self.ticket is not None:
-            with torch.inference_mode():
-                self.read_early += self._read_log(self.ticket)
-            self.ticket = None
-        self.pool.check()
-        held = 0
+        """The device's tables against the host's: the same pages, aliases included, and no row of a
+        running request reads the scratch page."""
         st = self.slots
-        for s in self.scheduler.running:
-            s.seq.check()
-            held += int(s.seq.real[:s.seq.n].sum())
+        for s in self.e.scheduler.running:
             host = s.seq.table[:s.seq.n].T                             # [U, n]
             dev = st.table[s.slot, :, :s.seq.n].cpu()
             assert torch.equal(torch.where(host >= 0, host, st.scratch), dev), "device and host page tables differ"
-        assert held == self.pool.used, f"{self.pool.used} pages used, {held} held by running requests"
         act = st.active.cpu()
         for r in act.nonzero()[:, 0].tolist():
             slot, d, p = int(st.req[r]), int(st.depth[r]), int(st.pos[r])
             assert (st.table[slot, d, :p + 1] != st.scratch).all(), "a running row reads the scratch page"
 
 
-def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="auto",
-               engine="auto", sampling=SAMPLING):
-    """The engine for this device. "auto": the slot engine with CUDA graphs on a GPU, where the eager
-    engine waits on the host; the eager Engine on a CPU, where it is the faster (it gathers only the
-    keys each row reads; docs/benchmarks.md), and for what the slot engine leaves to it (the nested
-    scheduler, the shared LM head, the Table 17 modes: --engine=eager). head "auto": the engine's own,
-    eager on the slot engine (it runs the head on every pass), shared on the eager engine. sampling: the
-    draws the slot engine captures when it starts (slot_pass.SAMPLING; a script that knows its
-    requests' names theirs)."""
-    if engine not in ENGINES:
-        raise UserError(f"--engine={engine!r}; allowed: {', '.join(ENGINES)}", "engine")
-    if engine == "auto":
-        cuda = torch.device(model.lm_head.weight.device).type == "cuda"
-        engine = "slots" if cuda and scheduler in SCHEDULERS and attn != "flex" and head != "shared" else "eager"
-    if head == "auto":
-        head = "eager" if engine == "slots" else "shared"
-    if engine == "slots":
-        if head != "eager":
-            raise UserError(f"--head={head}: the slot engine runs the LM head on every pass (--engine=eager shares it)",
-                            "head")
-        return SlotEngine(model, kv_pages, max_batch, max_rows, scheduler, attn, sampling=sampling)
-    return Engine(model, kv_pages, max_batch, max_rows, scheduler, attn, head)
-
-
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "serve with `python server.py --ckpt out/`, benchmark on a GPU with "
+    library(__doc__, "serve with `python server.py --ckpt out/ --engine=slots`, benchmark on a GPU with "
             "`python -m lab.bench --what=gpu`")

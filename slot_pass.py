@@ -158,7 +158,7 @@ class Download:
 
 # ----------------------------------------------------------------------------- the pass
 
-def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="plain"):
+def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="greedy"):
     """One application of the block to the first R row slots, each row at its own position and depth,
     and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling where an
     exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in place with
@@ -219,34 +219,35 @@ def decide_exits(st, R, gate):
     return newly, runs_on, survive
 
 
-# A pass's draw: "plain" when no row asks for top-k or top-p (greedy rows take the argmax, sampled ones
-# the Gumbel-max over the whole vocabulary, in the one kernel that reduces the logits), "nucleus" when
-# some row does (the vocabulary sorted). Two kinds, so two graphs a bucket; the sort only where asked.
-SAMPLING = ("plain", "nucleus")
+# A pass's draw, the cheapest that gives every row its own token: "greedy" when every request is
+# (the argmax), "plain" when some row samples and none asks for top-k or top-p (the Gumbel-max over the
+# whole vocabulary, the greedy rows' argmax in the same kernel), "nucleus" when some row does (sorted).
+SAMPLING = ("greedy", "plain", "nucleus")
 
 
 def draw_kind(temperature, top_k, top_p):
     """The draw one request needs (SAMPLING)."""
-    return "nucleus" if temperature > 0 and (top_k or top_p < 1.0) else "plain"
+    return "greedy" if temperature == 0 else "nucleus" if top_k or top_p < 1.0 else "plain"
 
 
 def sampling_kind(requests):
     """The draw a pass needs for these requests: the cheapest that gives each its own tokens."""
     kinds = {draw_kind(r.temperature, r.top_k, r.top_p) for r in requests}
-    return "nucleus" if "nucleus" in kinds else "plain"
+    return next(k for k in reversed(SAMPLING) if k in kinds) if kinds else "greedy"
 
 
 def sample_rows(model, st, R, hn, newly, head, sampling):
     """The LM head on every row (static shapes), and a token for each row whose exit samples one:
-    request.sample_tokens keyed by the request's seed and the row's position (the argmax where its
-    temperature is 0; the vocabulary sorted only where a request asks for top-k or top-p)."""
+    the argmax, or request.sample_tokens keyed by the request's seed and the row's position (the
+    vocabulary sorted only where a request asks for top-k or top-p)."""
     if not head:
         zeros = torch.zeros(R, dtype=torch.long, device=hn.device)
         return zeros, zeros.bool(), None
     logits = model.lm_head(hn)
     req = st.req[:R]
-    tok = sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
-                        nucleus=sampling == "nucleus")
+    tok = (logits.argmax(-1) if sampling == "greedy" else
+           sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
+                         nucleus=sampling == "nucleus"))
     return tok, newly & st.sample[:R], logits
 
 

@@ -434,17 +434,17 @@ def counted_step(e, counts):
     q = e.scheduler
     steady = len(q.waiting) > 0 and len(q.waiting) + len(q.running) >= q.max_batch
     out = e.step()
-    if e.last_pass:
-        n = e.last_passes                                   # a fixed wave: n passes of the same rows
-        rows = n * sum(k for _, k, _ in e.last_pass)
-        dec = n * sum(k for _, k, decode in e.last_pass if decode)
+    if e.runner.last_pass:
+        n = e.runner.last_passes                                   # a fixed wave: n passes of the same rows
+        rows = n * sum(k for _, k, _ in e.runner.last_pass)
+        dec = n * sum(k for _, k, decode in e.runner.last_pass if decode)
         counts["passes"] += n
         counts["rows"] += rows
         counts["decode_rows"] += dec
         counts["prefill_rows"] += rows - dec
         if steady:
             counts["steady_passes"] += n
-            counts["steady_slots"] += n * len(e.last_pass)   # requests that ran a depth (a prompt chunk: one row)
+            counts["steady_slots"] += n * len(e.runner.last_pass)   # requests that ran a depth (a chunk: one row)
             counts["steady_decode_rows"] += dec
     return out
 
@@ -512,7 +512,8 @@ def bench_record(run, thr, batch):
     avg_run = sum(dec) / max(len(dec), 1)
     win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]   # token i was sampled at decode row i - 1
     avg = sum(win) / len(win) if win else avg_run
-    return dict(scheduler=e.scheduler.kind, mode=mode, head=e.head, thr=None if mode == "fixed" else thr, batch=batch,
+    return dict(scheduler=e.scheduler.kind, mode=mode, head=e.runner.head, thr=None if mode == "fixed" else thr,
+                batch=batch,
                 tok_s=len(run["window_tokens"]) / window_seconds if window_seconds else None,
                 tok_s_total=tokens / seconds, seconds=seconds, window_seconds=window_seconds,
                 mix_window=run["window_rows"][0] / max(run["window_rows"][1], 1),
@@ -524,7 +525,7 @@ def bench_record(run, thr, batch):
                 peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
                 row_depths=s["rows"], head_calls=s["head_calls"],
                 rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
-                **cost(U, (e.w_block, e.w_head), s["passes"], s["head_calls"], avg))
+                **cost(U, (e.runner.w_block, e.runner.w_head), s["passes"], s["head_calls"], avg))
 
 
 def fastest(records):

@@ -16,13 +16,16 @@ captures it (its Triton backend, what CUDA runs; stopped before code generation,
 too, the CUDA graph API stood in); the paged attention's launches at 4,096 keys; the host-to-device
 copies and syncs of a steady decode step (HostTraffic); the passes launched against those with rows.
 
-Two workloads, greedy: a fixed batch of B requests (32-token prompts, 32 new tokens; it ends with its
-slowest request, so at batch 8 and 32 one request that runs deep sets the pass count), and a queue of
-4B requests of random lengths through B slots (what a server sees). Configurations: the Ouro way
+Three workloads, greedy: a fixed batch of B requests (32-token prompts, 32 new tokens; it ends with
+its slowest request, so at batch 8 and 32 one request that runs deep sets the pass count), a queue of
+4B requests of random lengths through B slots, all waiting at the start (a backlog: it measures the
+requests a second the engine can serve), and the same requests arriving as a server sees them, a
+Poisson process at 50% and 90% of that capacity, with each client's time to its first token and
+between its tokens (p50, p99). Configurations: the Ouro way
 (ouro_way: every token all U loops on dense lanes, one head call per step) eager and graphed
 (StaticLanes: the step compiled whole, one graph for the prompt, one for a decode step: U passes and
 the head), fixed batch only; the engine's fixed@U, Dense-Ragged and ETE-Ragged, eager (Engine) and
-graphed (SlotEngine: the pass compiled whole, every bucket captured when it starts). The ceiling:
+graphed (the slot runner: the pass compiled whole, every bucket captured when it starts). The ceiling:
 decode reading the weights at 4.3 TB/s, context and compute ignored: fixed@U (and the Ouro way)
 B / (U·t_W + t_h) tok/s, a ragged mode B / (Ē·(t_W + t_h)) (its head runs on every pass), t_W and t_h
 the time to read the block's and the LM head's weights; a run's efficiency is the time those weight
@@ -33,7 +36,6 @@ they compute alike but not bit for bit).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
     raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_gpu ...")
-import contextlib
 import json
 import math
 import os
@@ -42,17 +44,15 @@ import sys
 import time
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
-from model import GPTConfig, LoopedLM, forward_lanes, threshold_exit
-from ragged import DenseLanes, PagePool, StaticLanes
-from request import Request, sample_token
-from serve_depthbatch import Engine, weight_bytes
-from slot_engine import SlotEngine
-import slot_pass
 from kernels import splits_for
-from slot_pass import CudaGraphs, Graphs, Slots, allow_recompiles, finish_rows
+from lab import gpu_counts
+from lab.gpu_counts import captured_launches, inductor_launches
+from model import GPTConfig, LoopedLM, forward_lanes, threshold_exit
+from ragged import DenseLanes, PagePool, StaticLanes, pool_pages
+from request import Request, sample_token
+from serve_depthbatch import Engine, engine_for, weight_bytes
+from slot_pass import Graphs, Slots, allow_recompiles, finish_rows
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
     "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048, ffn_hidden=5632),
@@ -63,6 +63,7 @@ PAPER_H100_EAGER = {        # the paper's Table of matched eager H100 runs, tok/
     1: (25.0, 41.1), 4: (100.5, 135.3), 8: (205.5, 241.2), 32: (807.9, 773.2)}
 N_PROMPT, N_NEW, THR, TARGET_DEPTH = 32, 32, 0.5, 2.6
 QUEUE_PER_SLOT = 4          # the queue: this many requests per slot, prompts of 8..N_PROMPT, 8..N_NEW new tokens
+ARRIVAL_SHARES = (0.5, 0.9)   # arrivals at these shares of the requests a second the queue measured
 
 
 def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
@@ -172,75 +173,6 @@ class OuroWay:
 
 # ----------------------------------------------------------------------------- counted on any device
 
-class Fused(Exception):
-    """Raised once Inductor has scheduled a graph: what it would launch is known (inductor_launches)."""
-
-
-@contextlib.contextmanager
-def inductor_launches():
-    """What Inductor launches for the graph compiled inside this block, read from its own scheduling:
-    its Triton backend (the one CUDA uses, on a CPU too), stopped with Fused once the scheduler has
-    fused the graph, before any code is generated. Yields a list that receives one kind per launch:
-    "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another operator: the paged
-    attention)."""
-    import torch._inductor.config as inductor_config
-    import torch._inductor.scheduler as scheduler
-    kinds = []
-
-    def stop(self):
-        for node in self.nodes:
-            kind = type(node).__name__
-            if kind in ("SchedulerNode", "FusedSchedulerNode"):
-                kinds.append("kernel")
-            elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":   # a tuple's item
-                name = str(getattr(node.node, "python_kernel_name", "") or "")
-                kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm") else "op")
-        raise Fused
-    torch._dynamo.reset()
-    codegen, scheduler.Scheduler.codegen = scheduler.Scheduler.codegen, stop
-    try:
-        with inductor_config.patch(cpu_backend="triton", force_pointwise_cat=True):
-            yield kinds
-    except Exception as e:                      # Inductor wraps the exception that stops it
-        if "Fused" not in repr(e):
-            raise
-    finally:
-        scheduler.Scheduler.codegen = codegen
-        torch._dynamo.reset()
-
-
-class CountOnCpu(CudaGraphs):
-    """The CUDA graph API where there is none, for counting alone: the engine captures as on a GPU (its
-    first capture compiles the pass, and the count stops it there: nothing is recorded or replayed)."""
-
-    def can_capture(self, device):
-        return True
-
-    def side_stream(self):
-        return contextlib.nullcontext()
-
-
-def captured_launches(model):
-    """The launches of the first pass the slot engine captures when it starts (the smallest bucket, 2
-    rows; head on; the plain draw; the Triton attention, as on CUDA), counted from the compile that the
-    capture itself makes, in the capture's own mode: what the replays run."""
-    gpu = slot_pass.GRAPHS.can_capture(model.lm_head.weight.device)
-    saved, slot_pass.GRAPHS = slot_pass.GRAPHS, slot_pass.GRAPHS if gpu else CountOnCpu()
-    interpret = os.environ.get("TRITON_INTERPRET")
-    if not gpu:
-        os.environ["TRITON_INTERPRET"] = "1"      # the attention kernel is scheduled here, never run
-    try:
-        with inductor_launches() as kinds:
-            SlotEngine(model, 64, max_batch=1, max_rows=1, attn="triton", graphs=True, fuse=True, sampling=("plain",))
-    finally:
-        slot_pass.GRAPHS = saved
-        if interpret is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = interpret
-    return kinds
-
-
 def kernel_counts(shape, R=2, device="cpu"):
     """Launches of the captured pass at the shape (rows R, the smallest bucket): a layer's GEMMs and
     launches (a pass of two layers less a pass of one: the layer in the middle of the block, its last
@@ -256,7 +188,7 @@ def kernel_counts(shape, R=2, device="cpu"):
     st = Slots(model.fuse_projections(), PagePool.for_model(model, 64, scratch=True), 2 * R, 2,
                model.config.block_size, 8)
     with inductor_launches() as finish, torch.inference_mode():
-        torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "plain"), dynamic=True,
+        torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"), dynamic=True,
                       fullgraph=True)(st, R)
     layer = {k: passes[2].count(k) - passes[1].count(k) for k in ("kernel", "gemm", "op")}
     hkv = SHAPES[shape]["n_kv_head"]
@@ -266,99 +198,29 @@ def kernel_counts(shape, R=2, device="cpu"):
                 attention_launches_by_keys=attention)
 
 
-class HostTraffic(TorchFunctionMode):
-    """Counts what the host does to the device while it is active, on any device: the device is the
-    tensors it is given (an engine's buffers and weights) and every tensor computed from them or made
-    with device=`device`. A host-to-device copy: a tensor of host data (more than a number) meeting a
-    device tensor in one call (a write's value or index, copy_, an index), or sent by .to(device),
-    torch.tensor(..., device=device); device-to-host copies into host tensors are counted apart. A
-    sync: a device value read on the host (.item(), .tolist(), bool(), .cpu(), nonzero, ...)."""
-    SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "equal",
-             "allclose"}
-    MADE = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like", "full_like",
-            "empty_like", "rand", "randn", "randint"}
-
-    def __init__(self, tensors, device):
-        super().__init__()
-        self.device, self.keep = torch.device(device), list(tensors)
-        self.ids = {id(t) for t in self.keep}
-        self.h2d = self.d2h = self.syncs = 0
-
-    def on_device(self, t):
-        return id(t) in self.ids
-
-    def mark(self, out):
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(t) not in self.ids:
-                self.ids.add(id(t))
-                self.keep.append(t)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        dev = [t for t in tensors if self.on_device(t)]
-        host = [t for t in tensors if not self.on_device(t) and t.dim() > 0]
-        target = kwargs.get("device", args[1] if name == "to" and len(args) > 1 else None)
-        sent = target is not None and not isinstance(target, torch.dtype) and torch.device(target) == self.device
-        if name in self.SYNCS and dev:
-            self.syncs += 1
-        into = args[0] if args and isinstance(args[0], torch.Tensor) and (name.endswith("_") or name == "__setitem__") \
-            else None
-        if dev and host:
-            if into is not None and not self.on_device(into):
-                self.d2h += 1
-            else:
-                self.h2d += 1
-        elif sent and (name in ("tensor", "as_tensor") or (name == "to" and host)):
-            self.h2d += 1
-        out = func(*args, **kwargs)
-        if (dev and name not in self.SYNCS and not (into is not None and not self.on_device(into))) or \
-                (sent and (name in self.MADE or name == "to")):
-            self.mark(out)
-        return out
-
-
-def host_counts(model, B, mode="ete_ragged", graphs=False):
-    """The slot engine on a fixed batch of B requests (N_PROMPT-token prompts, N_NEW new tokens,
-    greedy): per steady decode step (every request admitted and past its prompt, none leaving) the most
-    host-to-device copies and syncs (HostTraffic, and the log reads that wait for the device); passes
-    launched against passes in which a row ran."""
-    U = model.config.n_loops
-    g = torch.Generator().manual_seed(B)
-    prompts = torch.randint(0, model.config.vocab_size, (B, N_PROMPT), generator=g).tolist()
-    engine = SlotEngine(model, B * (N_PROMPT + N_NEW) * U, max_batch=B, max_rows=B * N_PROMPT,
-                        scheduler="fixed" if mode == "fixed" else "continuous", graphs=graphs, fuse=graphs,
-                        sampling=("greedy",))
-    for p in prompts:
-        engine.add(Request(p, N_NEW, mode, THR))
-    st = engine.slots
-    device_tensors = ([t for t in vars(st).values() if isinstance(t, torch.Tensor)] + st.k + st.v + st.log +
-                      list(model.parameters()) + list(model.buffers()) + [engine.upload.dev])
-    steady = []
-    while engine.busy():
-        sched = engine.scheduler
-        before = list(sched.running)
-        calm = not sched.waiting and before and all(s.done >= s.host_end for s in before)
-        waits = engine.stats["waits"]
-        with HostTraffic(device_tensors + [engine.upload.dev], engine.device) as traffic:
-            engine.step()
-        if calm and list(sched.running) == before:
-            steady.append((traffic.h2d, traffic.syncs + engine.stats["waits"] - waits))
-    return dict(steady_steps=len(steady), h2d_per_steady_step=max(c for c, _ in steady),
-                syncs_per_steady_step=max(s for _, s in steady), passes_launched=engine.stats["launched"],
-                passes_with_rows=engine.stats["passes"])
+def host_counts(model, B, mode="ete_ragged", graphs=False, queue=False):
+    """gpu_counts.host_counts on the fixed batch of B requests (N_PROMPT-token prompts, N_NEW new
+    tokens, greedy) or on the queue (queue_requests: 4B requests through B slots)."""
+    if queue:
+        work = queue_requests(B, model.config.vocab_size, 0, mode)
+    else:
+        g = torch.Generator().manual_seed(B)
+        work = [Request(p, N_NEW, mode, THR) for p in
+                torch.randint(0, model.config.vocab_size, (B, N_PROMPT), generator=g).tolist()]
+    return gpu_counts.host_counts(model, work, B, B * N_PROMPT, "fixed" if mode == "fixed" else "continuous",
+                                  graphs)
 
 
 def counts(shape, device, batches):
     """Everything counted: kernel_counts at the smallest bucket (batch 1's), host_counts at each batch
-    (ETE-Ragged)."""
+    (ETE-Ragged), on the fixed batch and on the queue."""
     out = {"kernels": kernel_counts(shape, device=device)}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, SHAPES[shape]["vocab_size"], (max(batches), N_PROMPT), generator=g).tolist()
     model = ouro_shape_model(shape, device, 0, prompts)
     cuda = torch.device(device).type == "cuda"
     out["host"] = {B: host_counts(model, B, graphs=cuda) for B in batches}
+    out["host_queue"] = {B: host_counts(model, B, graphs=cuda, queue=True) for B in batches}
     return out
 
 
@@ -383,8 +245,9 @@ def run_config(model, prompts, config, runner, queue=None):
     if kind == "ouro_way":
         tokens = runner.generate(prompts) if graphs else ouro_way(model, prompts, N_NEW)
         sync()
-        return time.perf_counter() - t0, tokens, dict(passes=U * N_NEW, head_calls=N_NEW, depth=float(U),
-                                                      sum_exits=U * len(prompts) * (N_PROMPT + N_NEW - 1))
+        passes, sum_exits = U * N_NEW, U * len(prompts) * (N_PROMPT + N_NEW - 1)
+        return time.perf_counter() - t0, tokens, dict(passes=passes, launched=passes, head_calls=N_NEW, depth=float(U),
+                                                      sum_exits=sum_exits)
     before = dict(runner.stats)
     work = ([Request(r.prompt, r.max_tokens, mode, THR) for r in queue] if queue is not None else
             [Request(p, N_NEW, mode, THR) for p in prompts])
@@ -393,8 +256,10 @@ def run_config(model, prompts, config, runner, queue=None):
     seconds = time.perf_counter() - t0
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
     dec = [x for r in reqs for x in r.decode_exits]
+    launched = lambda stats: stats.get("launched", stats["passes"])       # the eager runner launches what runs
     return seconds, [r.tokens for r in reqs], dict(
-        passes=runner.stats["passes"] - before["passes"], head_calls=runner.stats["head_calls"] - before["head_calls"],
+        passes=runner.stats["passes"] - before["passes"], launched=launched(runner.stats) - launched(before),
+        head_calls=runner.stats["head_calls"] - before["head_calls"],
         depth=sum(dec) / len(dec), exits=[r.exits for r in reqs], sum_exits=sum(sum(r.exits) for r in reqs))
 
 
@@ -410,7 +275,7 @@ def build(model, B, config, workload):
         return OuroWay(model, B, graphs is True) if graphs else None
     if not graphs:
         return Engine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler)
-    return SlotEngine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler, graphs=graphs is True,
+    return Engine(model, pages, runner="slots", max_batch=B, max_rows=rows, scheduler=scheduler, graphs=graphs is True,
                       fuse=graphs is True, sampling=("greedy",))
 
 
@@ -433,12 +298,61 @@ def time_configs(model, prompts, configs, rounds, queue=None):
     return {cf: min(rs, key=lambda r: r[0]) for cf, rs in results.items()}
 
 
+def arrivals(runner, requests, rate, seed):
+    """A server's workload: the requests arriving at `rate` a second (a Poisson process: exponential gaps,
+    seeded), each added to the engine when its time comes, the engine stepping in between (and waiting
+    for the next arrival when it has nothing to do). Per request, as its client sees the tokens come:
+    the time from its arrival to its first token (TTFT) and between its tokens (TBT); their p50 and
+    p99, and the passes launched and with rows."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in requests:
+        t += rng.expovariate(rate)
+        times.append(t)
+    seen, before = {}, dict(runner.stats)
+    on_token = lambda r, tok: seen.setdefault(id(r), []).append(time.perf_counter()) if tok is not None else None
+    reqs = [Request(r.prompt, r.max_tokens, r.mode, r.thr, on_token=on_token) for r in requests]
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    start, i = time.perf_counter(), 0
+    while i < len(reqs) or runner.busy():
+        now = time.perf_counter() - start
+        while i < len(reqs) and times[i] <= now:
+            runner.add(reqs[i])
+            i += 1
+        if runner.busy():
+            runner.step()
+        elif i < len(reqs):
+            time.sleep(times[i] - now)
+    assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
+    ttft = [seen[id(r)][0] - start - a for r, a in zip(reqs, times)]
+    tbt = [b - a for r in reqs for a, b in zip(seen[id(r)], seen[id(r)][1:])]
+    q = lambda xs, p: round(1e3 * sorted(xs)[min(len(xs) - 1, int(p * len(xs)))], 3)
+    return dict(requests=len(reqs), rate=round(rate, 3), seconds=round(time.perf_counter() - start, 4),
+                ttft_ms_p50=q(ttft, 0.5), ttft_ms_p99=q(ttft, 0.99), tbt_ms_p50=q(tbt, 0.5), tbt_ms_p99=q(tbt, 0.99),
+                passes=runner.stats["passes"] - before["passes"],
+                passes_launched=runner.stats.get("launched", runner.stats["passes"]) - before.get(
+                    "launched", before["passes"]))
+
+
+def server_start(model):
+    """How long a server's engine with its defaults takes from construction to ready (on a GPU: every
+    compile and the capture of every bucket, kind of pass and draw)."""
+    started = time.perf_counter()
+    engine = engine_for(model, pool_pages(model, 0, 0, 32), 32, 256)
+    graphs = getattr(engine.runner, "graphs", None)
+    start = dict(seconds=round(time.perf_counter() - started, 4), runner=type(engine.runner).__name__,
+                 graphs=len(graphs.graphs) if graphs else 0)
+    print(f"a server's engine with its defaults ({start['runner']}, {start['graphs']} graphs) ready in "
+          f"{start['seconds']:.1f} s", file=sys.stderr)
+    return start
+
+
 def replay_checks(model, prompts, best):
     """Graphs replay exactly what the same passes compute: the slot engine without graphs (the same
     kernels) gives the graphed runs' tokens, and exits, in every mode."""
     B, U, checks = len(prompts), model.config.n_loops, []
     for mode in ("fixed", "dense_ragged", "ete_ragged"):
-        plain = SlotEngine(model, B * (N_PROMPT + N_NEW) * U, max_batch=B, max_rows=B * N_PROMPT,
+        plain = Engine(model, B * (N_PROMPT + N_NEW) * U, runner="slots", max_batch=B, max_rows=B * N_PROMPT,
                            scheduler="fixed" if mode == "fixed" else "continuous", graphs=False, fuse=True)
         reqs = plain.run([Request(p, N_NEW, mode, THR) for p in prompts])
         _, tokens, st = best["engine", mode, True]
@@ -460,7 +374,8 @@ def rows_of(best, B, workload, t_w, t_h, U):
         ceiling = B / (U * t_w + t_h) if mode == "fixed" else B / (st["depth"] * (t_w + t_h))
         row = dict(workload=workload, batch=B, mode="ouro_way" if kind == "ouro_way" else mode, graphs=gr is True,
                    graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5), tokens=n_tok,
-                   pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"], head_calls=st["head_calls"],
+                   pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"], passes_launched=st["launched"],
+                   head_calls=st["head_calls"],
                    sum_exits=st["sum_exits"], avg_decode_depth=round(st["depth"], 3),
                    efficiency=float(f"{(st['passes'] * t_w + st['head_calls'] * t_h) / seconds:.4g}"),
                    ceiling_tok_s=round(ceiling, 1), ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
@@ -493,11 +408,12 @@ def bench_gpu(c):
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}; block {wb / 1e9:.3f} GB = {1e3 * t_w:.3f} ms at "
           f"{BANDWIDTH / 1e12:.1f} TB/s, head {wh / 1e9:.3f} GB = {1e3 * t_h:.3f} ms; gate bias "
           f"{float(model.early_exit_gate.bias):.3f}", file=sys.stderr)
+    start = server_start(model)
     engines = [("engine", "fixed"), ("engine", "dense_ragged"), ("engine", "ete_ragged")]
     ready = [True, False] if cuda else ["ready", False]     # on a CPU: the graph-ready code without graphs
     batch_configs = [(k, m, gr) for gr in ready for k, m in [("ouro_way", "fixed")] + engines]
     queue_configs = [(k, m, gr) for gr in ready[:1] for k, m in engines]
-    runs, checks, rounds = [], [], max(c["rounds"], 3)
+    runs, checks, arrived, rounds = [], [], [], max(c["rounds"], 3)
     for B in batches:
         best = time_configs(model, prompts[B], batch_configs, rounds)
         graphed = True if cuda else "ready"
@@ -510,12 +426,19 @@ def bench_gpu(c):
         queue = {m: queue_requests(B, vocab, c["seed"], m) for _, m in engines}
         best = {cf: time_configs(model, prompts[B], [cf], rounds, queue[cf[1]])[cf] for cf in queue_configs}
         runs += rows_of(best, B, "queue", t_w, t_h, U)
+        for cf in queue_configs:                # arrivals at a share of what the queue measured it can serve
+            capacity, runner = len(queue[cf[1]]) / best[cf][0], build(model, B, cf, "arrivals")
+            for share in ARRIVAL_SHARES:
+                row = arrivals(runner, queue[cf[1]], share * capacity, c["seed"] + B)
+                arrived.append(dict(workload="arrivals", batch=B, mode=cf[1], graphs=cf[2] is True, share=share,
+                                    capacity_req_s=round(capacity, 3), **row))
         print(f"  batch {B} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    print_gpu(runs, checks, counted)
+    print_gpu(runs, checks, counted, arrived)
     out = {"bench": "engine-gpu", "model": c["gpu_shape"], "device": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "prompt_len": N_PROMPT, "new_tokens": N_NEW, "thr": THR,
            "gate_bias": float(model.early_exit_gate.bias), "bandwidth": BANDWIDTH, "block_bytes": wb, "head_bytes": wh,
-           "seconds": round(time.perf_counter() - t_start, 1), "counts": counted, "checks": checks, "runs": runs}
+           "seconds": round(time.perf_counter() - t_start, 1), "counts": counted, "checks": checks, "runs": runs,
+           "arrivals": arrived, "server_engine_start": start}
     if c["out"]:
         os.makedirs(os.path.dirname(os.path.abspath(c["out"])), exist_ok=True)
         with open(c["out"], "w") as f:
@@ -523,7 +446,7 @@ def bench_gpu(c):
     return out
 
 
-def print_gpu(runs, checks, counted):
+def print_gpu(runs, checks, counted, arrived=()):
     err = sys.stderr
     k = counted["kernels"]
     print(f"counted (Inductor's Triton scheduling of the captured pass, {k['rows']} rows): a layer "
@@ -534,8 +457,14 @@ def print_gpu(runs, checks, counted):
           file=err)
     for B, h in counted["host"].items():
         print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} host-to-device copies, "
-              f"{h['syncs_per_steady_step']} syncs ({h['steady_steps']} steps); passes launched {h['passes_launched']} "
-              f"for {h['passes_with_rows']} with rows", file=err)
+              f"{h['syncs_per_steady_step']} syncs, {h['launches_per_steady_step']} launches outside the graphs "
+              f"({h['steady_steps']} steps); passes launched {h['passes_launched']} for {h['passes_with_rows']} "
+              "with rows", file=err)
+    for B, h in counted.get("host_queue", {}).items():
+        print(f"counted, queue of {4 * B} through {B} slots: {100 * h['drained_share']:.1f}% of the passes read with "
+              f"none behind them, host {h['host_ms_per_pass']:.3f} ms a pass, {h['launches_outside_graphs_per_step']} "
+              f"launches outside the graphs a step; passes launched {h['passes_launched']} for "
+              f"{h['passes_with_rows']} with rows", file=err)
     print(f"{'work':<6}{'batch':>5} {'mode':<13}{'graphs':<7}{'tok/s':>9}{'passes':>7}{'Σ e':>7}{'pass ms':>9}"
           f"{'eff':>6}{'Ē dec':>7}{'ceiling':>9}{'of it':>7}{'x fixed g':>10}{'x ouro g':>9}{'x ouro e':>9}"
           f"{'paper':>8}",
@@ -548,6 +477,10 @@ def print_gpu(runs, checks, counted):
               f"{r['passes']:>7}{r['sum_exits']:>7}{r['pass_ms']:>9.3f}{r['efficiency']:>6.2f}"
               f"{r['avg_decode_depth']:>7.2f}{r['ceiling_tok_s']:>9.1f}{r['ceiling_fraction']:>7.3f}"
               f"{r['x_fixed_graphed']:>10.2f}{ouro}{paper:>8}", file=err)
+    for a in arrived:
+        print(f"arrivals, batch {a['batch']} {a['mode']:<13} at {a['share']:.0%} of {a['capacity_req_s']:.2f} req/s: "
+              f"TTFT p50 {a['ttft_ms_p50']:.2f} / p99 {a['ttft_ms_p99']:.2f} ms, TBT p50 {a['tbt_ms_p50']:.2f} / p99 "
+              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} for {a['passes']} with rows", file=err)
     for ch in checks:
         print(f"check, batch {ch['batch']}: {ch['check']}: {ch.get('agree', ch.get('equal'))}", file=err)
     print("batch: B requests of 32 + 32 tokens; queue: 4B requests of random lengths through B slots. tok/s: new "

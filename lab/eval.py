@@ -38,8 +38,7 @@ from modes import MODES, SCORED, continuation_logprobs
 from ragged import pool_pages
 from request import Request
 from scheduler import scheduler_for
-from serve_depthbatch import HEADS
-from slot_engine import ENGINES, engine_for
+from serve_depthbatch import ENGINES, HEADS, engine_for
 from slot_pass import draw_kind
 from lab.tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat

@@ -144,7 +144,7 @@ def engine(model, kv_pages, head="eager", **engine_args):
     wait, so that exited rows wait as long as the rule lets them (the most deferral to test)."""
     e = Engine(model, kv_pages, head=head, **engine_args)
     if head == "shared":
-        e.w_head = float("inf")
+        e.runner.w_head = float("inf")
     return e
 
 

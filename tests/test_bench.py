@@ -240,8 +240,17 @@ def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
         assert queue["tokens"] > b * 8 and queue["passes"] == U * queue["head_calls"]
     assert [c["agree"] for c in out["checks"]] == [1.0, 1.0]
     for b in ("1", "2"):
-        h = out["counts"]["host"][b]
+        h, q = out["counts"]["host"][b], out["counts"]["host_queue"][b]
         assert h["h2d_per_steady_step"] <= 1 and h["passes_launched"] <= h["passes_with_rows"] + 1
+        assert q["passes_launched"] <= q["passes_with_rows"] + 1 and q["host_ms_per_pass"] > 0
+    assert all(r["passes_launched"] >= r["passes"] for r in out["runs"])
+    arrived = {(a["batch"], a["mode"], a["share"]): a for a in out["arrivals"]}
+    assert set(arrived) == {(b, m, s) for b in (1, 2) for m in ("fixed", "dense_ragged", "ete_ragged")
+                            for s in bench_gpu.ARRIVAL_SHARES}
+    for a in arrived.values():        # each client's latencies: the first token after its arrival, ordered quantiles
+        assert 0 < a["ttft_ms_p50"] <= a["ttft_ms_p99"] and 0 <= a["tbt_ms_p50"] <= a["tbt_ms_p99"]
+        assert a["requests"] == 4 * a["batch"] and abs(a["rate"] / a["capacity_req_s"] - a["share"]) < 1e-2
+    assert out["server_engine_start"]["seconds"] >= 0 and out["server_engine_start"]["runner"] == "EagerRunner"
     prompts = torch.randint(0, 512, (4, bench_gpu.N_PROMPT)).tolist()
     model = bench_gpu.ouro_shape_model("tiny", "cpu", int(torch.randint(0, 1000, ())), prompts)
     gates = model(torch.tensor(prompts))["gate_logits"]

@@ -195,12 +195,12 @@ def test_reading_the_page_table_in_place_equals_the_reference(R, Hq, Hkv, D, max
 def test_the_slot_engine_gives_the_same_tokens_with_the_triton_kernel():
     from conftest import clone, prompt, varied_model
     from request import Request
-    from slot_engine import SlotEngine
+    from serve_depthbatch import Engine
     model = varied_model().float()
     reqs = [Request(prompt(9), 8, "ete_ragged", 0.4, keep_logits=True), Request(prompt(5), 6, "dense_ragged", 0.3,
                                                                              keep_logits=True)]
-    a = SlotEngine(model, 500, attn="torch", keep_logits=True).run([clone(r) for r in reqs])
-    b = SlotEngine(model, 500, attn="triton", keep_logits=True).run([clone(r) for r in reqs])
+    a = Engine(model, 500, runner="slots", attn="torch", keep_logits=True).run([clone(r) for r in reqs])
+    b = Engine(model, 500, runner="slots", attn="triton", keep_logits=True).run([clone(r) for r in reqs])
     for x, y in zip(a, b):
         assert x.exits == y.exits and x.tokens == y.tokens
         assert torch.allclose(torch.stack(x.logits), torch.stack(y.logits), atol=1e-4, rtol=1e-4)

@@ -143,8 +143,8 @@ def test_fixed_scheduler_runs_every_token_all_loops(kv_pages, head):
         passes = e.stats["passes"]
         e.step()
         e.check()
-        assert e.stats["passes"] - passes == e.last_passes                 # a whole wave, or nothing,
-        assert {depth[reqs.index(r)] for r, _, _ in e.last_pass} <= {e.last_passes}   # of one depth
+        assert e.stats["passes"] - passes == e.runner.last_passes                 # a whole wave, or nothing,
+        assert {depth[reqs.index(r)] for r, _, _ in e.runner.last_pass} <= {e.runner.last_passes}   # of one depth
         steps += 1
     assert e.pool.used == 0 and (kv_pages > 1000 or e.stats["preemptions"] > 0)
     assert e.stats["rows"] == sum(r.kv["block_evals"] for r in reqs)
@@ -336,7 +336,7 @@ def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
         assert es.stats["head_calls"] < ea.stats["head_calls"]
     else:                              # every row exits at depth U: they share already
         assert es.stats["head_calls"] <= ea.stats["head_calls"]
-    assert es.pool.used == 0 and not es.pending
+    assert es.pool.used == 0 and not es.runner.pending
 
 
 @pytest.mark.parametrize("w_head", [0.0, 1e6, float("inf")])
@@ -349,23 +349,24 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     e = Engine(model, 3000, max_batch=3, head="shared")
-    e.w_head = w_head
-    real, deferred = e._head_rows, []
+    h = e.runner                                 # the eager runner: the shared head is its
+    h.w_head = w_head
+    real, deferred = h._head_rows, []
 
     def checked(groups, exited):
         out = real(groups, exited)
-        waiting = e.pending.rows
-        assert all(w < (serve_depthbatch.MAX_WAIT if e.scheduler.waiting else e.U) for _, _, w in waiting)
+        waiting = h.pending.rows
+        assert all(w < (serve_depthbatch.MAX_WAIT if e.scheduler.waiting else e.U) for _, _, _, w in waiting)
         if waiting and e.scheduler.waiting:
-            assert len(waiting) * e.w_block < e.w_head * e.scheduler.max_batch
+            assert len(waiting) * h.w_block < h.w_head * e.scheduler.max_batch
         elif waiting:      # only where a call costs more than a pass, never the request that ends the batch
-            end = max(e._passes_left(s) for s in e.scheduler.running)
-            assert e.w_head >= e.w_block and all(e._passes_left(s) + w + 1 <= end for s, _, w in waiting)
+            end = max(h._passes_left(s) for s in e.scheduler.running)
+            assert h.w_head >= h.w_block and all(h._passes_left(s) + w + 1 <= end for s, _, _, w in waiting)
         deferred.append(len(waiting))
         return out
-    e._head_rows = checked
+    h._head_rows = checked
     reqs = e.run([Request(prompt(rng.randint(3, 10)), rng.randint(4, 12), "ete_ragged", 0.4) for _ in range(8)])
-    assert all(r.finish_reason == "length" for r in reqs) and e.pool.used == 0 and not e.pending
+    assert all(r.finish_reason == "length" for r in reqs) and e.pool.used == 0 and not h.pending
     if w_head == 0.0:
         assert e.stats["head_calls"] > 0
     if w_head == float("inf"):

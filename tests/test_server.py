@@ -334,14 +334,14 @@ def test_fuzz_malformed_requests_disconnects_and_valid_ones_together(own_server)
 
 def test_an_error_inside_a_step_fails_that_step_only_and_the_server_goes_on(own_server, monkeypatch, capsys):
     url, engine, server, encode = own_server
-    real, calls = engine._run_block, []
+    real, calls = engine.runner._run_block, []
 
     def broken(*args):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("a bug")
         return real(*args)
-    monkeypatch.setattr(engine, "_run_block", broken)
+    monkeypatch.setattr(engine.runner, "_run_block", broken)
     status, text = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 6, "temperature": 0})
     assert status == 400 and "engine error" in json.loads(text)["error"]["message"]
     assert "engine error: RuntimeError: a bug" in capsys.readouterr().err
