@@ -216,6 +216,16 @@ SAMPLING_NEEDS = dict(top_k=_sampled, top_p=_sampled)
 # --dtype of the inference scripts: "" keeps the checkpoint's own
 DTYPES = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
+# The keys of every script that loads a model to run it (sample.py, server.py, lab/eval.py): declared
+# here once, with their comments (--help reads them from this file) and their rules.
+MODEL_RUN = dict(
+    device="auto",         # where to run (auto: CUDA when there is one)
+    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
+    dtype="",              # weights dtype (default: as saved)
+    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+)
+MODEL_RUN_RULES = dict(device=device_rule, threads=THREADS_RULE, dtype=list(DTYPES))
+
 
 def _number(s):
     try:
@@ -285,7 +295,8 @@ def help_text(defaults, rules=None, source=None, needs=None):
         with open(source, encoding="utf-8") as f:
             text = f.read()
         doc = (ast.get_docstring(ast.parse(text)) or "").strip()
-        comments = declared_comments(text)
+        with open(__file__, encoding="utf-8") as f:     # the keys declared here once (MODEL_RUN), then the script's
+            comments = dict(declared_comments(f.read()), **declared_comments(text))
     lines = [f"usage: python {command(source or 'script.py')} [config/*.py ...] [--key=value | --key value | --flag "
              "...]", ""]
     if doc:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script
-from configurator import (DTYPES, SAMPLING_NEEDS, SEED_RULE, THREADS_RULE, UserError, check_needs, device_rule,
-                          parse, run_cli, set_threads)
+from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError, check_needs, parse,
+                          run_cli, set_threads)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
@@ -64,15 +64,12 @@ DEFAULTS = dict(
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
-    device="auto",         # where to run (auto: CUDA when there is one)
-    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
-    dtype="",              # weights dtype (default: as saved)
-    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+    **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
-             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", device=device_rule, attn=IMPLS,
-             head=["auto"] + HEADS, engine=ENGINES, dtype=list(DTYPES), threads=THREADS_RULE)
+             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", attn=IMPLS,
+             head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
 # the keys that act only with another setting (mode: as resolved, see check_args): refused without it
 prefill = ("--mode=ete_ragged (or collapse_kv)", lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),

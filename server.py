@@ -30,7 +30,7 @@ from dataclasses import fields
 import torch
 
 from checkpoint import load_for_script
-from configurator import DTYPES, THREADS_RULE, UserError, device_rule, parse, run_cli, set_threads
+from configurator import MODEL_RUN, MODEL_RUN_RULES, UserError, parse, run_cli, set_threads
 from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
@@ -545,15 +545,11 @@ DEFAULTS = dict(
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
-    device="auto",         # where to run (auto: CUDA when there is one)
-    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
-    dtype="",              # weights dtype (default: as saved)
-    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+    **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
     verbose=False,         # log every HTTP request
 )
 RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
-             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, device=device_rule, dtype=list(DTYPES),
-             threads=THREADS_RULE)
+             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (they would do nothing)
 NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
 

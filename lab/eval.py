@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script, write_json
-from configurator import (DTYPES, SAMPLING_NEEDS, SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule,
-                          parse, run_cli, set_threads)
+from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError, check_writable, parse,
+                          run_cli, set_threads)
 from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
@@ -72,19 +72,15 @@ DEFAULTS = dict(
     attn="auto",           # paged attention (kernels.py)
     head="auto",           # LM-head calls of the generation runs: shared, eager; auto: the engine's own
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
-    device="auto",         # where to run (auto: CUDA when there is one)
-    threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
-    dtype="",              # weights dtype (default: as saved)
-    tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
+    **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
 RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_multi"], builtin_items="in [1, 100000]",
              builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0", max_tokens=">= 1",
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES, device=device_rule,
-             seed=SEED_RULE, threads=THREADS_RULE,
-             dtype=list(DTYPES),
+             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES,
+             seed=SEED_RULE, **MODEL_RUN_RULES,
              k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
 # the keys that act only with another setting: refused without it (they would do nothing)
