@@ -98,7 +98,7 @@ def _unknown(key, config):
 def parse(argv, defaults, rules=None, source=None, given=None, needs=None):
     """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the
     script's file, for --help; given: a set that receives the keys set on the command line or in a
-    config file (set to their default or not); needs: {key: (what, test)}, the keys that act only
+    config file to another value than their default (mark); needs: {key: (what, test)}, the keys that act only
     with another setting (see check_needs). Returns a new dict."""
     config = dict(defaults)
     given = set() if given is None else given
@@ -129,7 +129,7 @@ def parse(argv, defaults, rules=None, source=None, given=None, needs=None):
             else:
                 raw, i = nxt, i + 1
         config[key] = _convert(key, raw, defaults[key])
-        given.add(key)
+        mark(given, key, config[key], defaults[key])
     for key, rule in (rules or {}).items():
         check(key, config[key], rule)
     check_needs(config, given, needs or {})
@@ -267,6 +267,15 @@ def _apply_file(path, config, defaults, given=None):
         if key not in config:
             raise _unknown(key, config)
         config[key] = _convert(key, value, defaults[key])
+        mark(given, key, config[key], defaults[key])
+
+
+def mark(given, key, value, default):
+    """A key counts as given only at a value other than its default: giving a key the default that
+    --help shows is the same run as leaving it out (nothing else may read that it was written)."""
+    if value == default and type(value) is type(default):
+        given.discard(key)
+    else:
         given.add(key)
 
 

@@ -15,7 +15,8 @@ Modes
   ete_ragged    Ragged KV end to end: the prompt too exits early, prefilled depth by depth.
                 Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
   last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
-With no --mode: `dense_ragged` when --thr is given (the paper's safe choice), else `fixed` at U.
+The default mode is `dense_ragged` at τ 0.5 (the paper's safe choice); `--mode=fixed` runs every token
+--depth loops. A flag given at the default --help shows runs exactly as if it were left out.
 Every mode runs through the depth-batching engine of serve_depthbatch.py on one paged KV pool, so
 their page accounting is comparable; --num_samples become concurrent requests of one batch
 (model.generate keeps Ouro's own dense-lane layout as the reference and the benchmark baseline).
@@ -52,7 +53,7 @@ DEFAULTS = dict(
     top_p=0.7,             # 1.0 = off
     seed=1337,             # seeds python, numpy and torch, and the sampler
     thr=0.5,               # exit threshold τ in [0, 1] (Eq. 4), of every mode but fixed
-    mode="",               # how tokens run, what KV is kept (Modes above; unset: dense_ragged with --thr, else fixed)
+    mode="dense_ragged",   # how tokens run, what KV is kept (Modes above)
     depth=None,            # fixed mode: loops per token (default U)
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
@@ -67,10 +68,10 @@ DEFAULTS = dict(
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
-             seed=SEED_RULE, thr="in [0, 1]", mode=[""] + list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
+             seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", attn=IMPLS,
              head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
-# the keys that act only with another setting (mode: as resolved, see check_args): refused without it
+# the keys that act only with another setting: refused without it (checked with the model's U: check_args)
 prefill = ("--mode=ete_ragged (or collapse_kv)", lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
              thr=("--mode=dense_ragged (any mode but fixed)", lambda c: c["mode"] != "fixed"),
@@ -78,10 +79,10 @@ NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
 
 
 def check_args(c, U, given):
-    """What RULES cannot check alone: the mode (unset: dense_ragged when --thr is given, else fixed at
-    U), the flags that need it (NEEDS), and the depth against the model's U."""
-    mode = c["mode"] or ("dense_ragged" if "thr" in given else "fixed")
-    check_needs(dict(c, mode=mode), given, NEEDS)
+    """What RULES cannot check alone: the flags that need the mode (NEEDS), and the depth against the
+    model's U."""
+    mode = c["mode"]
+    check_needs(c, given, NEEDS)
     depth = U if c["depth"] is None else c["depth"]
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
         raise UserError(f"--depth={depth!r}: must be an integer in 1..{U} (this model has U={U} loops)")

@@ -47,6 +47,7 @@ eval_only = False            # evaluate out_dir/ckpt.pt once, print the record a
 init_from = "scratch"        # start a new model, or resume out_dir/ckpt.pt exactly: with its own settings
 branch_from = ""             # a finished run (its out_dir or ckpt.pt): its weights, a fresh optimizer and schedule
 stop_iter = -1               # stop (checkpoint written) at this iteration, to split a run into jobs
+overwrite = False            # a fresh run replaces the earlier run in out_dir (default: moves it to out_dir/earlier-N)
 # data
 dataset = "synthetic"        # a folder under data_dir made by prepare_data.py
 data_dir = "data"            # where prepare_data.py wrote the datasets
@@ -115,6 +116,7 @@ RULES = dict(
 # the keys that act only with another setting: set without it they would do nothing, and are refused
 ra_with = lambda method: lambda c: c["ragged_aware"] and c["ra_method"] == method
 NEEDS = dict(
+    overwrite=("--init_from=scratch (a fresh run)", lambda c: c["init_from"] == "scratch" and not c["eval_only"]),
     ra_method=("--ragged_aware", lambda c: c["ragged_aware"]),
     cf_thr=("--ragged_aware --ra_method=counterfactual", ra_with("counterfactual")),
     reinforce_k=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
@@ -130,7 +132,8 @@ MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops
 # --init_from=resume takes the run's settings from its checkpoint: those of this process are its own
 # (RESUME_OWN), where the data lies and how the run reports may be given anew (RESUME_MAY_CHANGE), and
 # every other key defines the run (given with another value: refused)
-RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend", "threads"]
+RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend", "threads",
+              "overwrite"]
 RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr"]
 
 
@@ -242,9 +245,6 @@ def check_config(c, given=()):
     steps), or refuses."""
     if c.eval_only:
         ckpt = os.path.join(c.out_dir, "ckpt.pt")
-        if "init_from" in given and c.init_from != "resume":
-            raise UserError(f"--eval_only evaluates {ckpt!r}; --init_from={c.init_from} would evaluate an untrained "
-                            "model: leave --init_from out")
         if not os.path.isfile(ckpt):
             raise UserError(f"--eval_only evaluates {ckpt!r}, which does not exist (check --out_dir)")
         c.init_from = "resume"
@@ -353,7 +353,8 @@ def lock_out_dir(c):
     """One run writes an out_dir at a time: the writing run holds an exclusive lock on out_dir/.lock
     (the system releases it when the process ends, killed or not), and a second run into the same
     folder is refused while the first one runs, before it writes anything. Where the system has no
-    flock (Windows), nothing is checked."""
+    flock (Windows), nothing is checked. Holding the lock, it removes what an interrupted write left
+    (checkpoint.atomic_write's hidden temp files, each up to a checkpoint's size), and says so."""
     try:
         import fcntl
     except ImportError:
@@ -366,13 +367,20 @@ def lock_out_dir(c):
         f.close()
         raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait for it to end or "
                         "give another --out_dir")
+    stale = [n for n in os.listdir(c.out_dir) if n.startswith(".") and n.endswith(".tmp")]
+    for name in stale:
+        os.remove(os.path.join(c.out_dir, name))
+    if stale:
+        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} ({', '.join(sorted(stale))})",
+              file=sys.stderr)
     return f
 
 
 def log_target(c, master):
     """Where training records go. A fresh run into a folder that holds an earlier run leaves that
-    run's ckpt.pt and log.jsonl untouched until it has a checkpoint of its own: its log goes to
-    log.jsonl.new until then. Returns (log file, pending)."""
+    run's ckpt.pt and log.jsonl untouched until it has a checkpoint of its own (its log goes to
+    log.jsonl.new until then); then the earlier run moves aside (keep_aside), unless --overwrite.
+    Returns (log file, pending)."""
     ckpt_path, log_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "log.jsonl")
     pending = (c.init_from == "scratch" and not c.eval_only
                and any(os.path.exists(p) for p in (ckpt_path, log_path)))
@@ -380,9 +388,31 @@ def log_target(c, master):
     if master and pending:
         os.makedirs(c.out_dir, exist_ok=True)
         open(log_file, "w").close()
+        then = ("it is replaced (--overwrite)" if c.overwrite else
+                f"it moves to {aside_folder(c.out_dir)} (--overwrite: replace it)")
         print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first checkpoint "
-              f"(iter {min(c.eval_interval, c.max_iters)}); until then this run logs to {log_file}", file=sys.stderr)
+              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then this run logs to {log_file}",
+              file=sys.stderr)
     return log_file, pending
+
+
+def aside_folder(out_dir):
+    """Where an earlier run of out_dir goes when a fresh one replaces it: out_dir/earlier-1, -2, ..."""
+    k = 1
+    while os.path.exists(os.path.join(out_dir, f"earlier-{k}")):
+        k += 1
+    return os.path.join(out_dir, f"earlier-{k}")
+
+
+def keep_aside(out_dir):
+    """The earlier run's ckpt.pt and log.jsonl, moved into a folder of its own: nothing a user trained
+    is replaced unasked. Returns the folder."""
+    folder = aside_folder(out_dir)
+    os.makedirs(folder)
+    for name in ("ckpt.pt", "log.jsonl"):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    return folder
 
 
 def autocast(c, device):
@@ -484,9 +514,12 @@ def write_record(c, run, record):
 
 def save_run(c, run, it):
     """Checkpoint everything a resume needs; the first checkpoint of a fresh run over an earlier
-    one makes this run's log the folder's log.jsonl."""
+    one moves that run aside (keep_aside; --overwrite: replaced) and makes this run's log the
+    folder's log.jsonl."""
     if not run.master:
         return
+    if run.pending and not c.overwrite:
+        print(f"\nthe earlier run in {c.out_dir} moved to {keep_aside(c.out_dir)}", file=sys.stderr)
     m = run.model
     save_checkpoint({"model": m.state_dict(), "optimizer": run.optimizer.state_dict(),
                      "model_args": model_args(m.config), "iter_num": it, "config": vars(c), "meta": run.meta,

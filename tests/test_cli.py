@@ -8,6 +8,7 @@ import runpy
 import subprocess
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ CASES = [
     (sample, ["--prompt=ABC"], "prompt"), (sample, ["--kv_pages=-1"], "kv_pages"),
     (sample, ["--mode=ouro", "--thr=0.5", "--kv_pages=3", "--max_new_tokens=5"], "kv_pages"),
     (sample, ["--mode=ete_ragged", "--thr=0.5", "--prefill_schedule=linear"], "prefill_schedule"),
-    (sample, ["--thr=0.5", "--prefix_full=2"], "prefix_full"), (sample, ["--mode=fixed", "--thr=0.5"], "thr"),
+    (sample, ["--thr=0.5", "--prefix_full=2"], "prefix_full"), (sample, ["--mode=fixed", "--thr=0.3"], "thr"),
     (sample, ["--dtype=int8"], "dtype"), (sample, ["--max_new_tokens=0"], "max_new_tokens"),
     (sample, ["--prompt_ids=999"], "prompt_ids"),
     (server, ["--port=70000"], "port"), (server, ["--scheduler=fifo"], "scheduler"),
@@ -155,12 +156,10 @@ CASES = [
     (train, ["--out_dir=/sys/looped-lm-out"], "out_dir"), (export_ouro, ["--ckpt=ouro_ckpt", "--out=/sys/x"], "out"),
     (eval_py, ["--builtin=synthetic", "--out=/sys/x"], "out"), (reproduce, ["--quick", "--out=/sys/x"], "out"),
     (prepare_data, ["--data_dir=/sys/x"], "data_dir"), (reproduce, ["--quick", "--out=notes.txt"], "out"),
-    # a resumed run keeps its shape, even when the flag gives the default (TINY's runs have batch_size 4)
+    # a resumed run or a branch keeps its shape: a flag at another value is refused (at the default: as if left out)
     (train, ["--init_from=resume", "--n_embd=64"], "n_embd"),
     (train, ["--init_from=resume", "--batch_size=8"], "batch_size"),
-    (train, ["--init_from=resume", "--batch_size=16"], "batch_size"),
-    (train, ["--init_from=resume", "--n_embd=128"], "n_embd"),
-    (train, ["--branch_from=out", "--out_dir=branch", "--n_layer=2"], "n_layer"),
+    (train, ["--branch_from=out", "--out_dir=branch", "--n_layer=3"], "n_layer"),
     # one model per folder; names that say what is wrong
     (export_ouro, ["--ckpt=ouro_ckpt", "--out=out"], "out"), (train, ["--out_dir=exported"], "out_dir"),
     (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--engine=gpu"], "engine"),
@@ -184,7 +183,6 @@ CASES = [
     (train, ["--init_from=resume", "--prior=geometric"], "prior"),
     (train, ["--init_from=resume", "--max_iters=50"], "max_iters"),
     (train, ["--eval_only", "--out_dir=fresh"], "eval_only"),
-    (train, ["--eval_only", "--init_from=scratch"], "init_from"),
     # a flag that would do nothing
     (train, ["--ra_method=reinforce"], "ra_method"), (train, ["--cf_thr=0.3"], "cf_thr"),
     (train, ["--reinforce_k=4"], "reinforce_k"), (sample, ["--mode=ete_ragged", "--depth=2"], "depth"),
@@ -280,8 +278,9 @@ def flags_of(what):
 
 @pytest.mark.parametrize("name", sorted(NEEDS_OF))
 def test_every_flag_that_needs_another_is_refused_without_it_and_accepted_with_it(name):
-    """Each script's NEEDS table, walked: every key set alone (to its default, or a value when unset)
-    is one error naming it and what it needs; with what it needs, it is accepted."""
+    """Each script's NEEDS table, walked: every key set alone to a value other than its default is one
+    error naming it and what it needs; with what it needs, it is accepted. (At its default it is as if
+    left out: test_every_key_at_its_default_is_the_same_run_as_leaving_it_out.)"""
     script = NEEDS_OF[name]
     assert script.NEEDS and set(script.NEEDS) <= set(script.DEFAULTS)
 
@@ -292,10 +291,70 @@ def test_every_flag_that_needs_another_is_refused_without_it_and_accepted_with_i
         if name == "sample":                          # its mode is resolved first, then NEEDS checked
             sample.check_args(c, 4, given)
     for key in script.NEEDS:
-        flag = f"--{key}={UNSET.get(key, script.DEFAULTS[key])}"
+        flag = f"--{key}={other_value(script, key)}"
         with pytest.raises(configurator.UserError, match=f"--{key}=.* does nothing without"):
             parse(unmet(name, key) + [flag])
         parse(flags_of(script.NEEDS[key][0]) + [flag])
+
+
+def other_value(script, key):
+    """A value of a key that its rule allows, other than its default."""
+    default, rule = script.DEFAULTS[key], script.RULES.get(key)
+    if key in UNSET or default is None:
+        return UNSET.get(key)
+    if isinstance(rule, list):
+        return next(v for v in rule if v != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, str):
+        candidates = (default.split(",")[0], "cpu", default + "x", "1")
+    elif isinstance(default, int):
+        candidates = (default + 1, default - 1)
+    else:
+        candidates = (default / 2 or 0.5, default + 1)
+    for value in candidates:
+        if value == default:
+            continue
+        try:
+            if rule is not None:
+                configurator.check(key, value, rule)
+            return value
+        except configurator.UserError:
+            pass
+
+
+SCRIPTS = {"train": train, "sample": sample, "server": server, "prepare_data": prepare_data, "eval": eval_py,
+           "bench": bench, "bench_kernels": bench_kernels, "reproduce": reproduce, "export_ouro": export_ouro}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_key_at_its_default_is_the_same_run_as_leaving_it_out(name):
+    """Every key of every script given at the default --help shows: the same settings, nothing counted as
+    given (so no script reads that it was written: no NEEDS refusal, sample.py's mode and train.py's
+    resume and --eval_only as without it); and each key at another value is counted as given."""
+    script = SCRIPTS[name]
+    base = ["--out=folder"] if name == "export_ouro" else []             # its one required key
+    settings = lambda argv, given: configurator.parse(base + argv, script.DEFAULTS, getattr(script, "RULES", None),
+                                                      given=given, needs=getattr(script, "NEEDS", None))
+    plain_given = set()
+    plain = settings([], plain_given)
+    for key, default in script.DEFAULTS.items():
+        if base and key == "out":
+            continue                       # required: refused at its empty default, as when left out
+        given = set()
+        c = settings([f"--{key}={default}"], given)
+        assert c == plain and given == plain_given, (name, key)
+        if name == "sample":
+            assert sample.check_args(c, 4, given) == sample.check_args(dict(script.DEFAULTS), 4, set())
+        if name == "train":
+            train.check_config(SimpleNamespace(**c), given)
+        value = other_value(script, key)
+        if value is not None and value != default and not base:
+            given = set()
+            configurator.parse([f"--{key}={value}"], script.DEFAULTS, given=given)
+            assert given == {key}, (name, key, value)
+    out = sample.check_args(dict(sample.DEFAULTS), 4, set())
+    assert out[:2] == ("dense_ragged", 0.5)                # --help's --mode and --thr are what runs
 
 
 def unmet(name, key):
@@ -307,7 +366,7 @@ def unmet(name, key):
             "thr": ["--mode=fixed"], "top_p": ["--temperature=0"], "top_k": ["--temperature=0"],
             "kv_memory": ["--kv_pages=10"], "input": ["--dataset=synthetic"], "tiktoken_file": ["--dataset=text"],
             "seed": ["--dataset=text"], "size": ["--dataset=text"], "max_k": ["--dataset=text"],
-            "filler": ["--dataset=hops"]}.get(key, [])
+            "filler": ["--dataset=hops"], "overwrite": ["--init_from=resume"]}.get(key, [])
 
 
 def test_torchrun_bad_flag_is_one_line_and_torchrun_names_it(tmp_path):

@@ -433,9 +433,12 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_each_iteration_logged_once
     train.main(common + [f"--out_dir={split}", "--init_from=resume"])
     iters = [(r["iter"], "val_loss_fixed" in r) for r in read_log(split)]
     assert len(iters) == len(set(iters)) and iters == [(r["iter"], "val_loss_fixed" in r) for r in read_log(full)]
-    for flag in ("--n_embd=64", "--max_iters=12", "--prior=geometric", "--global_kl=False"):
+    for flag in ("--n_embd=64", "--max_iters=12", "--prior=geometric"):
         with pytest.raises(UserError, match=flag):          # a resumed run keeps everything that defines it
             train.main(common + [f"--out_dir={split}", "--init_from=resume", flag])
+    before = read_log(split)                # a flag at the default --help shows is as if left out: the run's own
+    train.main(common + [f"--out_dir={split}", "--init_from=resume", "--global_kl=False"])
+    assert read_log(split) == before
 
 
 def test_a_resume_without_flags_continues_the_objective_it_was_started_with(tmp_path, data_dir):
@@ -599,8 +602,9 @@ def test_help_lists_every_key_with_its_comment_and_rule(capsys):
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert out.startswith("usage: python ") and module.__doc__.strip().splitlines()[0] in out
-        comments = configurator.declared_comments(open(module.__file__, encoding="utf-8").read())
-        for key in module.DEFAULTS:   # every key is a declared setting (no imported constant), with its comment
+        comments = dict(configurator.declared_comments(open(configurator.__file__, encoding="utf-8").read()),
+                        **configurator.declared_comments(open(module.__file__, encoding="utf-8").read()))
+        for key in module.DEFAULTS:   # every key is a declared setting (here or, shared, in configurator.py)
             assert comments.get(key), f"--{key} has no comment"
             line = next(l for l in out.splitlines() if l.strip().startswith(f"--{key}="))
             assert comments[key] in line
