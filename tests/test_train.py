@@ -481,6 +481,32 @@ def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_d
     assert [r["iter"] for r in log if "val_loss_fixed" in r] == [0, 2, 4] and not os.path.exists(out + "/log.jsonl.new")
     assert open(os.path.join(out, "ckpt.pt"), "rb").read() != files["ckpt.pt"]
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["seed"] == 7
+    # the finished first run was not lost: it moved aside, whole, at the second run's first checkpoint
+    assert {f: open(os.path.join(out, "earlier-1", f), "rb").read() for f in ("ckpt.pt", "log.jsonl")} == files
+
+
+def test_a_run_is_never_replaced_unasked_and_an_interrupted_write_leaves_nothing(tmp_path, data_dir, capsys):
+    """The quick start run three times into one folder: each earlier run moves aside whole (earlier-1,
+    earlier-2, the log says where); --overwrite replaces it; the temp files an interrupted write left
+    (atomic_write's, up to a checkpoint's size each) are removed at the next start, and said."""
+    out = str(tmp_path / "o")
+    args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"]
+    runs = []
+    for seed in (1, 2, 3):
+        train.main(args + [f"--seed={seed}"])
+        runs.append(open(os.path.join(out, "ckpt.pt"), "rb").read())
+    assert open(os.path.join(out, "earlier-1", "ckpt.pt"), "rb").read() == runs[0]
+    assert open(os.path.join(out, "earlier-2", "ckpt.pt"), "rb").read() == runs[1]
+    err = capsys.readouterr().err
+    assert f"moves to {os.path.join(out, 'earlier-2')}" in err and f"moved to {os.path.join(out, 'earlier-2')}" in err
+    stale = [os.path.join(out, ".ckpt.pt.k2j4.tmp"), os.path.join(out, ".log.jsonl.x9.tmp")]
+    for path in stale:
+        open(path, "wb").write(b"\0" * 1000)
+    train.main(args + ["--seed=4", "--overwrite"])
+    assert not any(os.path.exists(p) for p in stale) and "removed 2 file(s) an interrupted write left" in \
+        capsys.readouterr().err
+    assert sorted(os.listdir(out)) == [".lock", "ckpt.pt", "earlier-1", "earlier-2", "log.jsonl"]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["seed"] == 4
 
 
 def test_a_second_run_into_a_used_out_dir_is_refused_while_the_first_runs(tmp_path, data_dir):
