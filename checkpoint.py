@@ -56,8 +56,36 @@ def write_json(path, obj):
     atomic_write(path, write)
 
 
+class OSWrites:
+    """A file torch.save writes through that keeps the OS's own error: torch.save turns a failed write
+    (a full disk) into an internal assertion ("unexpected pos ..."), which says nothing of the cause."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
 def save_checkpoint(obj, path):
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """torch.save, atomically (atomic_write), a failed write reported with the OS's reason."""
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            out = OSWrites(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError as e:
+                if out.error is not None:
+                    raise out.error from e          # ENOSPC, EIO, ...: the OS's reason, not torch's assertion
+                raise
+    atomic_write(path, write)
 
 
 # ----------------------------------------------------------------------------- our checkpoints

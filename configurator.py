@@ -352,14 +352,18 @@ def check_writable(path, key):
 
 
 def fail(line):
-    """Print the error line and exit 2. Under torchrun every rank fails alike: rank 0 prints the line
-    and each rank leaves it in torchrun's error file, so that torchrun's own failure report (which
-    follows; torchrun exits 1) names it as the root cause instead of "<N/A>"."""
+    """Print the error line, on a line of its own (an open progress bar is closed first), and exit 2.
+    Under torchrun every rank fails alike: rank 0 prints the line and each rank leaves it in
+    torchrun's error file, so that torchrun's own failure report (which follows; torchrun exits 1)
+    names it as the root cause instead of "<N/A>"."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                                   "timestamp": str(int(time.time()))}}}, f)
     if os.environ.get("RANK", "0") == "0":
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):     # a progress bar still open ends its line first
+            bar.close()
         print(line, file=sys.stderr)
     sys.exit(2)
 

@@ -666,3 +666,44 @@ def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path)
     assert set(m["span_depth_by_thr"]) == set(thrs) and m["span_depth_by_thr"][thrs[0]] == m["span_depth_by_difficulty"]
     with open(os.path.join(data, "pointer", "meta.json")) as f:   # the facts' capitals are in its vocabulary
         assert set(json.load(f)["chars"]) == set(prepare_data.POINTER_CHARS)
+
+
+FULL_DISK = """
+import errno, sys
+import checkpoint, configurator, train
+saves, real = [0], checkpoint.OSWrites.write
+def write(self, data):                          # the filesystem fills up at the run's second checkpoint
+    if saves[0] >= 2:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, data)
+def save(obj, path, save=checkpoint.save_checkpoint):
+    saves[0] += 1
+    return save(obj, path)
+checkpoint.OSWrites.write, train.save_checkpoint = write, save
+configurator.run_cli(train.main, sys.argv[1:])
+"""
+
+
+def test_a_full_disk_is_named_on_a_line_of_its_own_and_the_earlier_checkpoint_kept(tmp_path, data_dir):
+    """Training onto a filesystem that fills up at its second checkpoint: a small tmpfs where this
+    machine lets the test mount one, and the write made to fail with ENOSPC. One line on stderr, a
+    line of its own after the progress bar, names the OS's reason and the path; exit 2; the first
+    checkpoint is kept, whole, and no temp file is left."""
+    for variant in ("tmpfs", "injected"):
+        out = tmp_path / variant
+        out.mkdir()
+        mounted = variant == "tmpfs" and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(out)],
+                                                        capture_output=True).returncode == 0
+        argv = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2"]
+        command = [sys.executable, "-c", FULL_DISK] if not mounted else [sys.executable, os.path.join(HERE, "train.py")]
+        try:
+            r = subprocess.run(command + argv, capture_output=True, text=True, cwd=HERE, timeout=300)
+            kept = torch.load(out / "ckpt.pt", weights_only=True)["iter_num"]
+            left = sorted(os.listdir(out))
+        finally:
+            if mounted:
+                subprocess.run(["umount", str(out)])
+        line = (f"error: cannot write {out / 'ckpt.pt'} (No space left on device); what was there before is kept "
+                "as it was")
+        assert r.returncode == 2 and line in r.stderr.splitlines(), (variant, r.stderr[-800:])
+        assert r.stderr.count("error:") == 1 and kept == 2 and left == [".lock", "ckpt.pt", "log.jsonl"], left
