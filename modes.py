@@ -69,6 +69,17 @@ def min_pages(r, U):
     return len(r.prompt) * (n_run(r, U) if prompt_full else 1) + max(r.max_tokens - 1, 0)
 
 
+def max_pages(r, U):
+    """Pages a request needs at worst: every position that runs at every depth it may run."""
+    return (len(r.prompt) + max(r.max_tokens - 1, 0)) * n_run(r, U)
+
+
+def need(r, U):
+    """A request's whole need of pages, both bounds, in words (every refusal and every cut says it)."""
+    return (f"at least {min_pages(r, U)} KV pages and at worst {max_pages(r, U)} (prompt of {len(r.prompt)} tokens in "
+            f"mode {r.mode}, {r.max_tokens} new tokens; at worst every position at every depth)")
+
+
 def check_request(r, cfg, n_pages):
     """The one validation of a request (the server's too): UserError naming the field when r is
     malformed or could never fit in a pool of n_pages. Reads nothing that the engine changes, so
@@ -97,8 +108,7 @@ def check_request(r, cfg, n_pages):
                         "mode")
     check_prompt(cfg, r.prompt, r.max_tokens)
     if min_pages(r, U) > n_pages:
-        raise UserError(f"the request needs at least {min_pages(r, U)} KV pages (prompt of {len(r.prompt)} tokens "
-                        f"in mode {r.mode}, {r.max_tokens} new tokens) but the pool has {n_pages}")
+        raise UserError(f"the request needs {need(r, U)}, but the pool has {n_pages}")
 
 
 def as_fixed(r, U):

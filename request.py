@@ -37,6 +37,7 @@ class Request:
     logits: list = field(default_factory=list, repr=False)
     finish_reason: str = None      # length | stop | cancelled | error
     error: str = None
+    note: str = None               # why a request ended before max_tokens without a stop (the pool ran dry)
     kv: dict = None                # page accounting of this request at its end
     preemptions: int = 0
 

@@ -15,7 +15,7 @@ whose rows have all finished) and .runnable() (positions it must run).
 """
 from collections import deque
 
-from modes import keeps_one_depth, n_run
+from modes import keeps_one_depth, n_run, need
 
 SCHEDULERS = ["continuous", "nested", "fixed"]
 
@@ -50,11 +50,10 @@ def fit_chunk(s, end, free, U):
 
 
 def dry_pool(r, pool, U):
-    """The error of a request that runs the pool dry alone: how many pages it held and could need."""
-    worst = (len(r.prompt) + r.max_tokens - 1) * n_run(r, U)
-    return (f"the pool has {pool.n_pages} KV pages; this request held {pool.used} after {len(r.tokens)} of "
-            f"{r.max_tokens} tokens and needs up to {worst} (prompt of {len(r.prompt)} tokens in mode {r.mode}, "
-            "every position at every depth)")
+    """Why a request that runs the pool dry alone ends where it is (its tokens so far kept, finish
+    reason "length"): the pool, what it held, and its whole need."""
+    return (f"stopped after {len(r.tokens)} of {r.max_tokens} tokens: it held all {pool.used} of the pool's "
+            f"{pool.n_pages} KV pages; it needs {need(r, U)}")
 
 
 class Scheduler:
@@ -111,7 +110,7 @@ class Scheduler:
     def evict(self):
         """The pool ran dry (App. A.2: memory is capacity): the newest request is preempted, back to
         the front of the queue (its exits kept for the replay), and handed back with None; or, when
-        it runs alone and still does not fit, handed back with the error it fails with."""
+        it runs alone and still does not fit, handed back with why it ends where it is (dry_pool)."""
         s = self.running[-1]
         if len(self.running) == 1:
             return s, dry_pool(s.req, self.pool, self.U)

@@ -261,10 +261,11 @@ class Engine:
     def _evict(self):
         """The pool ran dry: the request the scheduler hands back loses its pages and its rows (the
         replay on its return computes them again from its exits so far), or, alone and still too
-        big, fails."""
-        s, error = self.scheduler.evict()
-        if error is not None:
-            self._finish(s, "error", error)
+        big, ends where it is with the tokens it has (finish reason "length", Request.note says why)."""
+        s, cut = self.scheduler.evict()
+        if cut is not None:                # alone and still too big: it ends here, its tokens kept
+            s.req.note = cut
+            self._finish(s, "length")
             return
         self._alias(s)
         self.runner.drop(s)

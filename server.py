@@ -418,7 +418,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     self.event(head, i, new, chat)
                 if choices.finish[i] is not None:
                     self.event(head, i, "", chat, choices.finish[i], {"error": r.error} if r.error else
-                               {"exit_stats": exit_summary(r, U)})
+                               {"exit_stats": exit_summary(r, U), **({"note": r.note} if r.note else {})})
+            if tok is None and r.note:            # the pool ran dry under it: its tokens so far are its answer
+                print(f"{head['id']} choice {i}: {r.note}", file=sys.stderr)
         n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
         counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
         if stream:
@@ -430,7 +432,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         out = []
         for i, r in enumerate(reqs):
             c = {"index": i, "finish_reason": choices.finish[i], "exit_stats": exit_summary(r, U),
-                 "tokens": r.tokens[:choices.n_tok[i]]}
+                 "tokens": r.tokens[:choices.n_tok[i]], **({"note": r.note} if r.note else {})}
             text = choices.texts[i]
             c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
             out.append(c)

@@ -202,19 +202,27 @@ def test_preemption_replays_the_recorded_exits_exactly(head):
     assert e.pool.used == 0 and sorted(e.pool.free) == list(range(150))
 
 
-def test_a_request_that_can_never_fit_is_rejected_and_nothing_else_moves():
+@pytest.mark.parametrize("runner", ["eager", "slots"])
+def test_a_request_that_can_never_fit_is_refused_before_any_compute_and_one_that_outgrows_the_pool_keeps_its_tokens(
+        runner):
+    """A request whose least need exceeds the pool is refused at once, both bounds said, nothing else
+    moving; one that fits its least need but not its worst, alone, ends where the pool runs dry with
+    the tokens it has (each what it is alone with room to spare), finish reason length, a note saying
+    why, every page back."""
     model = varied_model()
-    e = Engine(model, 60)
+    e = Engine(model, 60, runner=runner)
     ok = e.add(Request(prompt(5), 6, "ete_ragged", 0.5))
-    with pytest.raises(UserError, match="needs at least 84 KV pages"):   # 20 prompt tokens x U + 4 new
-        e.add(Request(prompt(20), 5, "dense_ragged", 0.5))
-    assert [s.req for s in e.scheduler.waiting] == [ok]
+    with pytest.raises(UserError, match=r"needs at least 84 KV pages and at worst 96 \(prompt of 20 tokens"):
+        e.add(Request(prompt(20), 5, "dense_ragged", 0.5))        # 20 prompt tokens x U + 4 new; 24 x U
+    assert [s.req for s in e.scheduler.waiting] == [ok] and e.stats["passes"] == 0
     e.run([])
     assert ok.finish_reason == "length" and e.pool.used == 0
-    # fits the lower bound, not the worst case: alone, it fails cleanly when the pool runs dry
-    bad = Request(prompt(5), 30, "fixed", 0.5)
-    e.run([bad])
-    assert bad.finish_reason == "error" and "KV pages" in bad.error and e.pool.used == 0
+    big = Request(prompt(5), 30, "fixed", 0.5)                    # at least 5 x 4 + 29, at worst 34 x 4
+    e.run([big])
+    room = alone(model, Request(list(big.prompt), 30, "fixed", 0.5), kv_pages=4000)
+    assert big.finish_reason == "length" and big.error is None and 0 < len(big.tokens) < 30
+    assert big.tokens == room.tokens[:len(big.tokens)] and e.pool.used == 0
+    assert big.note.startswith(f"stopped after {len(big.tokens)} of 30 tokens") and "at worst 136" in big.note
 
 
 @pytest.mark.parametrize("kw", [dict(thr=1.5), dict(thr=-0.1), dict(mode="warp"), dict(max_tokens=0), dict(top_p=0),

@@ -547,3 +547,21 @@ def test_slow_and_idle_clients_cannot_hold_the_server(own_server, monkeypatch):
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(line)
             assert s.recv(64).startswith(b"HTTP/1.1 400"), line
+
+
+def test_a_request_that_outgrows_the_pool_is_answered_with_the_tokens_it_has():
+    """A request that fits the pool's least need but outgrows it midway: a 200 whose choice ends with
+    finish_reason "length" and a note saying why (the pool, what it held, its whole need), its tokens
+    what it computed, a line on stderr; a request that can never fit: a 400 stating both bounds."""
+    shape = dict(block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=48)
+    with serving(3, 100, 2, **shape) as (url, engine, _, encode, _):
+        status, text = post(url + "/v1/completions", {"prompt": "the cat", "max_tokens": 50, "temperature": 0,
+                                                      "mode": "fixed"})
+        choice = json.loads(text)["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "length" and 0 < len(choice["tokens"]) < 50
+        assert choice["note"].startswith(f"stopped after {len(choice['tokens'])} of 50 tokens")
+        alone_tokens = alone(engine.model, Request(encode("the cat"), 50, "fixed"), kv_pages=2000).tokens
+        assert choice["tokens"] == alone_tokens[:len(choice["tokens"])]
+        status, text = post(url + "/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 20,
+                                                      "mode": "fixed", "temperature": 0})
+        assert status == 400 and "at least" in text and "at worst" in text
