@@ -95,7 +95,7 @@ def check_request(r, cfg, n_pages):
             ("temperature", num(r.temperature) and 0 <= r.temperature <= 2, "a number in [0, 2]"),
             ("top_p", num(r.top_p) and 0 < r.top_p <= 1, "a number in (0, 1]"),
             ("top_k", whole(r.top_k) and r.top_k >= 0, "an integer >= 0"),
-            ("depth", whole(r.depth) and 0 <= r.depth <= U, f"an integer in 0..{U}"),
+            ("depth", whole(r.depth) and 0 <= r.depth <= U, f"an integer in 0..{U} (0: all {U} loops)"),
             ("seed", whole(r.seed) and 0 <= r.seed <= SEED_MAX, "an integer in [0, 2**64 - 1]"),
             ("prefix_full", whole(r.prefix_full) and r.prefix_full >= 0, "an integer >= 0"),
             ("prefill_schedule", r.prefill_schedule in ("", "cosine"), "'' or 'cosine'"),

@@ -40,11 +40,11 @@ from modes import MODES
 from scheduler import scheduler_for
 from serve_depthbatch import ENGINES, HEADS, engine_for
 from slot_pass import draw_kind
-from tokenizer import IM_END, chat_ids, check_chat
+from tokenizer import IM_END, chat_ids, check_chat, start_of_text
 
 DEFAULTS = dict(
     ckpt="out",            # a directory holding ckpt.pt, or the file
-    prompt="",             # text, or FILE:path; empty = a newline (char models) / <|endoftext|> (gpt2)
+    prompt="",             # text, or FILE:path; empty: the start of a text (a newline, or <|endoftext|>)
     prompt_ids="",         # comma-separated token ids (overrides --prompt)
     max_new_tokens=100,    # tokens to generate per sample
     num_samples=1,         # how many samples of the same prompt
@@ -54,7 +54,7 @@ DEFAULTS = dict(
     seed=1337,             # seeds python, numpy and torch, and the sampler
     thr=0.5,               # exit threshold τ in [0, 1] (Eq. 4), of every mode but fixed
     mode="dense_ragged",   # how tokens run, what KV is kept (Modes above)
-    depth=None,            # fixed mode: loops per token (default U)
+    depth=0,               # fixed mode: loops per token (0: all U, as everywhere a depth is asked)
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
@@ -68,7 +68,7 @@ DEFAULTS = dict(
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
 )
 RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
-             seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 1", prefill_thr="in [0, 1]",
+             seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0", prefill_thr="in [0, 1]",
              prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", attn=IMPLS,
              head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (checked with the model's U: check_args)
@@ -83,9 +83,9 @@ def check_args(c, U, given):
     model's U."""
     mode = c["mode"]
     check_needs(c, given, NEEDS)
-    depth = U if c["depth"] is None else c["depth"]
+    depth = c["depth"] or U
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
-        raise UserError(f"--depth={depth!r}: must be an integer in 1..{U} (this model has U={U} loops)")
+        raise UserError(f"--depth={depth!r}: must be an integer in 0..{U} (0: all U; this model has U={U} loops)")
     return mode, float(c["thr"]), depth
 
 
@@ -108,10 +108,8 @@ def prompt_ids(c, meta, encode):
             raise UserError(f"--prompt=FILE:{path}: not UTF-8 text")
         except OSError as e:
             raise UserError(f"--prompt=FILE:{path}: cannot read it ({e.strerror or e})")
-    if text == "":
-        if meta.get("tokenizer") == "gpt2":
-            return [50256]
-        return encode("\n") if "\n" in meta.get("chars", "") else [0]
+    if text == "":                         # an empty prompt: the start of a text (tokenizer.start_of_text)
+        return start_of_text(meta)
     try:
         return encode(text)
     except UserError as e:

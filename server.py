@@ -37,7 +37,7 @@ from ragged import page_bytes, pool_pages
 from request import SEED_MAX, Request
 from scheduler import SCHEDULERS
 from serve_depthbatch import ENGINES, HEADS, engine_for
-from tokenizer import IM_END, chat_ids, has_chat
+from tokenizer import IM_END, chat_ids, has_chat, start_of_text
 
 MAX_BODY = 16 << 20                       # bytes of one request body
 MAX_HEAD = 32 << 10                       # bytes of one request's line and headers
@@ -52,16 +52,17 @@ assert ENGINE_FIELDS <= {f.name for f in fields(Request)}
 
 
 class BadRequest(Exception):
-    def __init__(self, message, param=None, status=400):
+    def __init__(self, message, param=None, status=400, code=None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
 class Server:
     """The engine thread and what the HTTP threads share with it: an inbox of new requests."""
 
-    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None):
+    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None, start=(0,)):
         self.engine, self.encode, self.decode, self.name, self.chat, self.eos = engine, encode, decode, name, chat, eos
+        self.start = list(start)          # what an empty prompt means (tokenizer.start_of_text)
         self.inbox, self.cv, self.stopping = deque(), threading.Condition(), False
         self.dead = None                  # why the engine thread stopped, if it ever does
         self.verbose = False
@@ -137,6 +138,8 @@ def prompt_of(server, body, chat):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                      # a batch of one
+    if prompt == "" or prompt == []:            # the start of a text, as in sample.py and lab/eval.py
+        return list(server.start), (() if server.eos is None else (server.eos,))
     if isinstance(prompt, str):
         if server.encode is None:
             raise BadRequest("this model has no tokenizer here: give 'prompt' as a list of token ids", "prompt")
@@ -147,7 +150,7 @@ def prompt_of(server, body, chat):
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
     else:
-        raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids (empty: the start of a text)", "prompt")
     return ids, (() if server.eos is None else (server.eos,))
 
 
@@ -175,6 +178,9 @@ def parse_request(server, body, chat):
     for key, ok in UNSUPPORTED.items():
         if key in body and body[key] not in ok:
             raise BadRequest(f"'{key}' is not supported by this server", key)
+    if body.get("model") not in (None, server.name):             # as the OpenAI API: a name it does not serve
+        raise BadRequest(f"the model {body['model']!r} does not exist here; this server serves {server.name!r} "
+                         "(GET /v1/models)", "model", status=404, code="model_not_found")
     ids, stop_ids = prompt_of(server, body, chat)
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
@@ -328,7 +334,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error_json(self, e):
         self.send_json({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
-                                  "code": None}}, e.status)
+                                  "code": e.code}}, e.status)
 
     def do_GET(self):
         self.clock.cancel()
@@ -516,10 +522,11 @@ def make_handler(server):
     return type("BoundHandler", (Handler,), {"app": server})
 
 
-def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="looped-lm", chat=False, eos=None):
+def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="looped-lm", chat=False, eos=None,
+          start=(0,)):
     """Start the engine thread and an HTTP server (not yet serving: call .serve_forever()). Returns
     (http server, Server)."""
-    server = Server(engine, encode, decode, name, chat, eos)
+    server = Server(engine, encode, decode, name, chat, eos, start)
     try:
         httpd = HTTPServer((host, port), make_handler(server))
     except socket.gaierror as e:
@@ -571,7 +578,7 @@ def start(argv):
     engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"], c["engine"])
     ready = time.perf_counter() - started
     name = os.path.basename(os.path.normpath(c["ckpt"]))
-    httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos)
+    httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos, start_of_text(meta))
     server.verbose = c["verbose"]
     print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
           f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; "

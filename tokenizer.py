@@ -36,6 +36,17 @@ def gpt2_encoding(tiktoken_file=""):
                              special_tokens={"<|endoftext|>": 50256})
 
 
+def start_of_text(meta):
+    """What an empty prompt means, the same in sample.py, server.py and lab/eval.py: the start of a text,
+    as the model saw texts begin in training: the end-of-text token of GPT-2 and Ouro's tokenizer, a
+    newline for the character and piece tokenizers that have one, else token 0."""
+    kind = (meta or {}).get("tokenizer")
+    if kind in EOS:
+        return [EOS[kind]]
+    vocab = list(meta.get("chars", "")) if kind == "char" else meta.get("pieces", []) if kind == "pieces" else []
+    return [vocab.index("\n")] if "\n" in vocab else [0]
+
+
 def char_meta(chars):
     return {"tokenizer": "char", "vocab_size": len(chars), "chars": "".join(chars)}
 

@@ -41,7 +41,7 @@ from scheduler import scheduler_for
 from serve_depthbatch import ENGINES, HEADS, engine_for
 from slot_pass import draw_kind
 from lab.tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
-from tokenizer import IM_END, chat_ids, check_chat
+from tokenizer import IM_END, chat_ids, check_chat, start_of_text
 
 DEFAULTS = dict(
     ckpt="out",            # the model: our checkpoint, or an Ouro folder
@@ -104,9 +104,9 @@ def parse_modes(text, U):
             raise UserError(f"--modes: {part!r}: mode {mode!r} is not scored here; allowed: {', '.join(SCORED)}"
                             + (" (the Table 17 baselines are decode-only: sample.py)" if mode in MODES else ""))
         if mode == "fixed":
-            if value != int(value) or not 1 <= value <= U:
-                raise UserError(f"--modes: {part!r}: fixed@k needs k in 1..{U}")
-            out.append(("fixed", None, int(value)))
+            if value != int(value) or not 0 <= value <= U:
+                raise UserError(f"--modes: {part!r}: fixed@k needs k in 0..{U} (0: all {U} loops)")
+            out.append(("fixed", None, int(value) or U))
         else:
             if not 0 <= value <= 1:
                 raise UserError(f"--modes: {part!r}: τ must be in [0, 1]")
@@ -191,13 +191,13 @@ def gen_prompt_ids(item, shots, c, encode):
     chat template of App. E.1). The item's own text is encoded first, so that a failure there is
     the item's, and one in the template's text says so."""
     if "prompt_ids" in item:
-        return list(item["prompt_ids"])
+        return list(item["prompt_ids"]) or list(c["start_ids"])
     encode(item["prompt"])
     text = gen_prompt_text(item, shots, c["chat"])
     try:
         if c["chat"]:                                    # App. E.1: Ouro Thinking, thinking on
             return chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
-        return encode(text)
+        return encode(text) or list(c["start_ids"])     # empty: the start of a text, as sample.py and the server
     except UserError as e:
         raise UserError(f"the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') adds text "
                         f"this model cannot encode: {e}; give prompt_ids, or extract='prefix' with "
@@ -535,6 +535,7 @@ def main(argv):
     if encode is None and (needs_text or c["builtin"] or c["lm_eval"]):
         raise UserError("this checkpoint has no tokenizer: give tasks with context_ids / choices_ids / prompt_ids")
     c["eos_ids"] = [] if eos is None else [eos]
+    c["start_ids"] = start_of_text(meta)                 # what an empty prompt means
     if c["chat"]:
         check_chat(meta)
         c["eos_ids"] = [IM_END] + c["eos_ids"]

@@ -83,10 +83,10 @@ def check_item(item, where):
     elif kind == "gen":
         if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
             raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
-        if not (text(item["prompt"]) if "prompt" in item else ids(item["prompt_ids"])) or not (
-                text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
+        prompt_ok = text(item["prompt"]) if "prompt" in item else item["prompt_ids"] == [] or ids(item["prompt_ids"])
+        if not prompt_ok or not (text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
             raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or prompt_ids / answer_ids: "
-                            "non-empty lists of token ids)")
+                            "lists of token ids, the answer's not empty; an empty prompt is the start of a text)")
         if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
             raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
     else:

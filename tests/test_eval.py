@@ -146,7 +146,7 @@ def test_bad_task_files_are_one_line_errors(tmp_path, ckpt, capsys):
                          ('{"type": "mc", "context": 5, "choices": ["b", "c"], "answer": 0}\n', "task"),
                          ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [-3]], "answer": 0}\n', "task"),
                          ('{"type": "gen", "prompt": "a", "answer": 7}\n', "task"),
-                         ('{"type": "gen", "prompt_ids": [], "answer": "b"}\n', "task"),
+                         ('{"type": "gen", "prompt_ids": [], "answer_ids": []}\n', "task"),
                          ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [99999]], "answer": 0}\n', "task"),
                          ('{"type": "gen", "prompt_ids": [99999], "answer_ids": [1]}\n', "task"),
                          ('{"type": "mc", "context_ids": [1], "choices_ids": [[2], [3] * 9999], "answer": 0}\n'
@@ -279,3 +279,20 @@ def test_builtin_pointer_items_are_graded_by_their_lookups(kind):
             assert len(facts.split()) == 10 and sum(f[1].isdigit() for f in facts.split()) == 4
     two = tasks.builtin_items(kind, 5, seed=int(torch.randint(0, 1000, ())), max_k=2)   # --builtin_max_k=2: levels 1, 2
     assert sorted(it["difficulty"] for it in two) == [1] * 5 + [2] * 5
+
+
+def test_an_empty_prompt_and_depth_zero_mean_the_same_in_eval_and_sample(ckpt, tmp_path, capsys):
+    """An empty prompt is the start of a text in lab/eval.py (an item's "" or prompt_ids []) as in
+    sample.py, and fixed@0 is fixed at all U loops as sample.py's --depth=0: the same greedy tokens."""
+    import sample
+    folder = ckpt[0]
+    items = write_jsonl(tmp_path / "empty.jsonl", [{"type": "gen", "prompt": "", "answer": "x", "extract": "prefix"},
+                                                    {"type": "gen", "prompt_ids": [], "answer": "x", "extract": "prefix"}])
+    ev.main(["--ckpt", folder, f"--task={items}", "--modes=fixed@0", "--temperature=0", "--max_tokens=4",
+             "--plots=False", f"--out={tmp_path / 'e'}"])
+    records = [json.loads(line) for line in open(tmp_path / "e" / "records.jsonl")]
+    records_ids = [r["completions"][0] for r in records]
+    capsys.readouterr()
+    out = sample.main(["--ckpt", folder, "--prompt=", "--mode=fixed", "--depth=0", "--temperature=0",
+                       "--max_new_tokens=4", "--json"])
+    assert records_ids == [out[0]["text"]] * 2 and records[0]["depth"] == 4

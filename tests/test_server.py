@@ -565,3 +565,35 @@ def test_a_request_that_outgrows_the_pool_is_answered_with_the_tokens_it_has():
         status, text = post(url + "/v1/completions", {"prompt": "the cat sat on the mat", "max_tokens": 20,
                                                       "mode": "fixed", "temperature": 0})
         assert status == 400 and "at least" in text and "at worst" in text
+
+
+def test_one_rule_an_input_empty_prompts_unknown_models_and_depth_zero(http_server, tmp_path, capsys):
+    """An empty prompt is the start of a text in the server (a string or a list), as in sample.py and
+    lab/eval.py (tokenizer.start_of_text; test_eval.py checks those two): its tokens are the start's; a
+    model the server does not serve is a 404 model_not_found, as the OpenAI API answers, and
+    /v1/models lists the one it serves; depth 0 means all U loops in the server, sample.py and
+    lab/eval.py (fixed@0), and the error that refuses another depth says so."""
+    url, engine, encode, decode = http_server
+    from tokenizer import start_of_text
+    meta = char_meta(SYNTH_CHARS)
+    start = start_of_text(meta)
+    assert start == encode("\n")
+    served = []
+    for prompt in ("", [], [""]):
+        status, text = post(url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0})
+        assert status == 200, text
+        served.append(json.loads(text)["choices"][0]["tokens"])
+    alone_tokens = alone(engine.model, Request(start, 5, "dense_ragged", 0.5)).tokens
+    assert served == [alone_tokens] * 3
+    status, text = post(url + "/v1/completions", {"model": "gpt-4o", "prompt": "the", "max_tokens": 2})
+    error = json.loads(text)["error"]
+    assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model" and "'tiny'" in \
+        error["message"]
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
+    status, text = post(url + "/v1/completions", {"model": "tiny", "prompt": "the", "max_tokens": 3, "mode": "fixed",
+                                                  "depth": 0, "temperature": 0})
+    assert status == 200 and json.loads(text)["choices"][0]["tokens"] == alone(
+        engine.model, Request(encode("the"), 3, "fixed", depth=4)).tokens
+    status, text = post(url + "/v1/completions", {"prompt": "the", "mode": "fixed", "depth": 9})
+    assert status == 400 and "0: all 4 loops" in text
