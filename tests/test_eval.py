@@ -286,8 +286,8 @@ def test_an_empty_prompt_and_depth_zero_mean_the_same_in_eval_and_sample(ckpt, t
     sample.py, and fixed@0 is fixed at all U loops as sample.py's --depth=0: the same greedy tokens."""
     import sample
     folder = ckpt[0]
-    items = write_jsonl(tmp_path / "empty.jsonl", [{"type": "gen", "prompt": "", "answer": "x", "extract": "prefix"},
-                                                    {"type": "gen", "prompt_ids": [], "answer": "x", "extract": "prefix"}])
+    empty = [{"prompt": ""}, {"prompt_ids": []}]
+    items = write_jsonl(tmp_path / "empty.jsonl", [dict(e, type="gen", answer="x", extract="prefix") for e in empty])
     ev.main(["--ckpt", folder, f"--task={items}", "--modes=fixed@0", "--temperature=0", "--max_tokens=4",
              "--plots=False", f"--out={tmp_path / 'e'}"])
     records = [json.loads(line) for line in open(tmp_path / "e" / "records.jsonl")]
