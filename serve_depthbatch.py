@@ -288,10 +288,11 @@ class Engine:
         if r.on_token is not None:
             r.on_token(r, None)                              # None: the request has ended
 
-    def fail_running(self, error):
+    def fail_running(self, error, queued=False):
         """After an unexpected error inside a step: end every admitted request with `error` and
-        return its pages; waiting requests stay queued (they were not part of the step)."""
-        for s in list(self.scheduler.running):
+        return its pages; waiting requests stay queued (they were not part of the step), unless
+        `queued` (a server's stop: every request ends)."""
+        for s in list(self.scheduler.running) + (list(self.scheduler.waiting) if queued else []):
             self._finish(s, "error", error)
 
     def check(self):

@@ -19,6 +19,7 @@ import http.server
 import json
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -52,9 +53,9 @@ assert ENGINE_FIELDS <= {f.name for f in fields(Request)}
 
 
 class BadRequest(Exception):
-    def __init__(self, message, param=None, status=400, code=None):
+    def __init__(self, message, param=None, status=400, code=None, retry_after=None):
         super().__init__(message)
-        self.param, self.status, self.code = param, status, code
+        self.param, self.status, self.code, self.retry_after = param, status, code, retry_after
 
 
 class Server:
@@ -65,6 +66,10 @@ class Server:
         self.start = list(start)          # what an empty prompt means (tokenizer.start_of_text)
         self.inbox, self.cv, self.stopping = deque(), threading.Condition(), False
         self.dead = None                  # why the engine thread stopped, if it ever does
+        self.draining = False             # stopping: no new request, the running ones finish (drain)
+        self.cut = None                   # why the requests still running at the drain's end fail
+        self.responding = 0               # HTTP responses under way (the drain waits for their last bytes)
+        self.drain_seconds = 30.0         # how long a stopping server lets them run (--drain_timeout)
         self.verbose = False
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
 
@@ -72,7 +77,11 @@ class Server:
         with self.cv:
             if self.dead:
                 raise BadRequest(f"the engine has stopped ({self.dead}); restart the server", status=503)
+            if self.draining:
+                raise BadRequest("the server is stopping; retry in a moment (on another server)", status=503,
+                                 retry_after=5)
             self.inbox.extend(reqs)
+            self.responding += 1
             self.cv.notify()
 
     def loop(self):
@@ -94,11 +103,21 @@ class Server:
         error inside a step fails the requests of that step (their pages come back) and is logged."""
         while True:
             with self.cv:
-                while not self.inbox and not self.engine.busy() and not self.stopping:
+                while not self.inbox and not self.engine.busy() and not self.stopping and not self.cut:
                     self.cv.wait()
                 if self.stopping:
                     return
                 new, self.inbox = list(self.inbox), deque()
+            if self.cut:                  # the drain's end: every request left ends with an error it can read
+                for r in new:
+                    r.finish_reason, r.error = "error", self.cut
+                    r.on_token(r, None)
+                self.engine.fail_running(self.cut, queued=True)
+                with self.cv:
+                    self.cv.notify_all()
+                    while not self.stopping:
+                        self.cv.wait()
+                return
             for r in new:
                 try:
                     self.engine.add(r)
@@ -115,7 +134,36 @@ class Server:
     def stop(self):
         with self.cv:
             self.stopping = True
-            self.cv.notify()
+            self.cv.notify_all()
+
+    def responded(self):
+        """An HTTP response has sent its last bytes."""
+        with self.cv:
+            self.responding -= 1
+            self.cv.notify_all()
+
+    def drain(self, seconds, why):
+        """A graceful stop, a line on stderr a stage: no new request (503, Retry-After; /health says
+        draining), the admitted ones run for up to `seconds`, then those left end with an error their
+        clients read (a last chunk with finish_reason "error", then data: [DONE]); it returns once every
+        response has sent its last bytes (or a few seconds more have passed)."""
+        with self.cv:
+            self.draining = True
+            queued = len(self.inbox) + len(self.engine.scheduler.waiting)
+            print(f"stopping ({why}): no new requests; {len(self.engine.scheduler.running)} running and {queued} "
+                  f"waiting may finish within {seconds:g} s", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + seconds
+            while self.responding and not self.dead and time.monotonic() < deadline:
+                self.cv.wait(deadline - time.monotonic())
+            left = self.responding
+            if left:
+                self.cut = f"the server stopped ({why}) before this request finished"
+                print(f"drain time over: {left} response(s) end with an error", file=sys.stderr, flush=True)
+                self.cv.notify_all()
+            deadline = time.monotonic() + 5
+            while self.responding and time.monotonic() < deadline:
+                self.cv.wait(deadline - time.monotonic())
+        print(f"drained: {left} request(s) cut, the rest finished", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- parsing a request
@@ -314,11 +362,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.app.verbose:
             super().log_message(fmt, *args)
 
-    def send_json(self, obj, status=200):
+    def send_json(self, obj, status=200, headers=()):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for key, value in headers:
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -334,15 +384,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error_json(self, e):
         self.send_json({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
-                                  "code": e.code}}, e.status)
+                                  "code": e.code}}, e.status,
+                       [("Retry-After", str(e.retry_after))] if e.retry_after is not None else ())
 
     def do_GET(self):
         self.clock.cancel()
         engine, path = self.app.engine, urllib.parse.urlsplit(self.path).path      # a query string routes as without
         if path == "/health":
-            self.send_json({"status": "ok" if not self.app.dead else f"engine stopped: {self.app.dead}",
-                            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-                            "free_pages": len(engine.pool.free)}, 200 if not self.app.dead else 503)
+            status = f"engine stopped: {self.app.dead}" if self.app.dead else "draining" if self.app.draining else "ok"
+            self.send_json({"status": status, "running": len(engine.scheduler.running),
+                            "waiting": len(engine.scheduler.waiting), "free_pages": len(engine.pool.free)},
+                           200 if status == "ok" else 503)
         elif path == "/v1/models":
             self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model", "created": 0,
                                                         "owned_by": "looped-lm"}]})
@@ -397,6 +449,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 r.cancelled = True
             with self.app.cv:
                 self.app.cv.notify()
+        finally:
+            self.app.responded()
 
     def respond(self, reqs, events, stream, choices, chat, usage=False):
         """Relay the tokens of the request's choices as the engine samples them: one JSON body at
@@ -431,9 +485,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
         if stream:
             if usage:
-                self.wfile.write(f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+                self.chunk(f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n".encode())
+            self.chunk(b"data: [DONE]\n\n")
+            self.chunk(b"")                     # the last chunk: the stream ended whole, not cut
             return
         out = []
         for i, r in enumerate(reqs):
@@ -447,9 +501,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                         "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None, **exit_stats(de, U)}})
 
     def start_stream(self, head, n, chat):
+        """Server-sent events in chunked transfer encoding: a stream that ends without its last (empty)
+        chunk was cut, which a client's HTTP library says (a stream delimited by closing the connection
+        would end the same either way)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
@@ -463,7 +521,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
         choice.update(extra or {})
-        self.wfile.write(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
+        self.chunk(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
+
+    def chunk(self, data):
+        """One chunk of a chunked response (an empty one ends it)."""
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
 
@@ -556,8 +618,10 @@ DEFAULTS = dict(
     engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
     verbose=False,         # log every HTTP request
+    drain_timeout=30.0,    # seconds a stopping server (SIGTERM, SIGINT) lets admitted requests finish; then they end
 )
-RULES = dict(port="in [0, 65535]", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1", max_rows=">= 1",
+RULES = dict(port="in [0, 65535]", drain_timeout=">= 0", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1",
+             max_rows=">= 1",
              scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (they would do nothing)
 NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
@@ -579,7 +643,7 @@ def start(argv):
     ready = time.perf_counter() - started
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos, start_of_text(meta))
-    server.verbose = c["verbose"]
+    server.verbose, server.drain_seconds = c["verbose"], c["drain_timeout"]
     print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
           f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; "
           f"scheduler {c['scheduler']}, max_batch {c['max_batch']}{', chat template' if chat else ''}; engine "
@@ -590,12 +654,25 @@ def start(argv):
 
 
 def main(argv):
+    """Serve until SIGTERM or SIGINT (what systemd, docker and Kubernetes send, and Ctrl-C), then stop
+    gracefully (Server.drain) and exit 0."""
     httpd, server = start(argv)
-    try:
-        httpd.serve_forever()
-    finally:
-        server.stop()
-        httpd.server_close()
+    stop = threading.Event()
+    why = []
+
+    def on_signal(signum, frame):
+        why.append(signal.Signals(signum).name)
+        stop.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    while not stop.wait(0.5):
+        pass
+    server.drain(server.drain_seconds, why[0])
+    httpd.shutdown()
+    server.stop()
+    httpd.server_close()
+    print("stopped", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -597,3 +597,92 @@ def test_one_rule_an_input_empty_prompts_unknown_models_and_depth_zero(http_serv
         engine.model, Request(encode("the"), 3, "fixed", depth=4)).tokens
     status, text = post(url + "/v1/completions", {"prompt": "the", "mode": "fixed", "depth": 9})
     assert status == 400 and "0: all 4 loops" in text
+
+
+def stream_one(port, body, out):
+    """A streaming client on a raw HTTP/1.1 connection: the data lines it read, whether the chunked
+    stream ended whole (http.client raises IncompleteRead on a stream cut short), and any error."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    lines, whole, error = [], False, None
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            error = f"status {r.status}"
+        while error is None:
+            line = r.readline()
+            if not line:
+                whole = r.chunked is False or r.chunk_left is None     # the last chunk was read
+                break
+            if line.startswith(b"data: "):
+                lines.append(line[6:].strip().decode())
+    except Exception as e:                                             # a stream cut short, a reset
+        error = f"{type(e).__name__}: {e}"
+    out.append((lines, whole, error))
+
+
+def test_sigterm_ends_every_stream_visibly_and_the_server_exits_0(tmp_path):
+    """server.py under load (30 streaming clients through 4 slots) gets SIGTERM: while it drains, /health
+    says draining and a new request is a 503 with Retry-After; then every client has either its whole
+    answer (a last choice with finish_reason length, data: [DONE], the chunked stream ended whole) or an
+    explicit error (finish_reason error with the reason, [DONE], ended whole), none a silent cut; one
+    line on stderr a stage; exit code 0."""
+    import signal
+    import subprocess
+    import sys
+    from checkpoint import model_args, save_checkpoint
+    from model import GPTConfig, LoopedLM
+    root = __file__.rsplit("/tests/", 1)[0]
+    torch.manual_seed(0)
+    meta = char_meta(SYNTH_CHARS)
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=256, n_layer=2, n_head=4, n_embd=32,
+                               ffn_hidden=48))
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": meta},
+                    str(tmp_path / "ckpt.pt"))
+    proc = subprocess.Popen([sys.executable, "server.py", f"--ckpt={tmp_path}", "--port=0", "--max_batch=4",
+                             "--drain_timeout=1", "--threads=1", "--device=cpu"], cwd=root,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(next(line for line in proc.stderr if "serving" in line).split("127.0.0.1:")[1].split("/")[0])
+        outs, threads = [], []
+        body = {"model": tmp_path.name, "prompt": "the cat", "max_tokens": 200,
+                "temperature": 0, "stream": True}
+        for _ in range(30):
+            threads.append(threading.Thread(target=stream_one, args=(port, body, outs)))
+            threads[-1].start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 3
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and json.loads(e.read())["status"] == "draining"
+                break
+        else:
+            raise AssertionError("/health never said draining")
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=5)
+            raise AssertionError("a new request was served while the server stopped")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and e.headers["Retry-After"] == "5"
+        for t in threads:
+            t.join(60)
+        code, err = proc.wait(60), proc.stderr.read()
+    finally:
+        proc.kill()
+    finished = cut = 0
+    for lines, whole, error in outs:
+        assert error is None and whole and lines[-1] == "[DONE]", (error, whole, lines[-3:])
+        last = json.loads(lines[-2])["choices"][0]
+        if last["finish_reason"] == "length":
+            finished += 1
+            assert "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1]) != ""
+        else:
+            cut += 1
+            assert last["finish_reason"] == "error" and "the server stopped (SIGTERM)" in last["error"]
+    assert len(outs) == 30 and finished > 0 and cut > 0, (finished, cut)
+    assert code == 0 and "stopping (SIGTERM)" in err and "drained" in err and err.rstrip().endswith("stopped"), err
