@@ -28,11 +28,31 @@ def get_batch(data, c, starts, device):
     return x.to(device), y.to(device)
 
 
+CHUNK = 1 << 22         # ids a pass over a split reads at a time (32 MB as int64)
+
+
+def chunks(ids):
+    """A split's ids in chunks of CHUNK, read from its file where it is one (np.memmap): a memory
+    map's pages, once read, would stay in the process's memory, so a pass over the whole split
+    would make it as large as the data."""
+    path = getattr(ids, "filename", None)
+    if path is None:
+        yield from (ids[i:i + CHUNK] for i in range(0, len(ids), CHUNK))
+        return
+    with open(path, "rb") as f:
+        f.seek(ids.offset)
+        while len(part := np.fromfile(f, dtype=ids.dtype, count=CHUNK)):
+            yield part
+
+
 def unigram_loss(train, val, vocab_size):
-    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat."""
-    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1
+    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat. The
+    splits are read in chunks, so that memory does not grow with the data."""
+    counts = np.ones(vocab_size, dtype=np.float64)
+    for part in chunks(train):
+        counts += np.bincount(part, minlength=vocab_size)
     logp = np.log(counts / counts.sum())
-    return float(-logp[val].mean())
+    return float(-sum(logp[part].sum() for part in chunks(val)) / len(val))
 
 
 # ----------------------------------------------------------------------------- measurements

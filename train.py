@@ -32,7 +32,7 @@ import torch
 from checkpoint import atomic_write, is_ouro_folder, load_checkpoint, model_args, save_checkpoint
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, resolve_device,
                           run_cli, set_threads)
-from metrics import draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
+from metrics import chunks, draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
 from model import GPTConfig, LoopedLM
 from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
 from tokenizer import check_meta
@@ -208,7 +208,7 @@ def load_data(c, vocab_size):
         if len(split) <= c.block_size + 1:
             raise UserError(f"--block_size={c.block_size}: a split of --dataset={c.dataset} has only {len(split)} "
                             "tokens; it needs more than block_size + 1")
-        top = max(int(split[i:i + 2**26].max()) for i in range(0, len(split), 2**26))   # a pass over the ids
+        top = max(int(part.max()) for part in chunks(split))   # a pass over the ids, memory not growing with them
         if top >= vocab_size:
             raise UserError(f"--dataset={c.dataset}: its {name} split holds token id {top}, outside the vocabulary of "
                             f"{vocab_size} (meta.json and the ids disagree); prepare it again")
@@ -451,7 +451,7 @@ def main(argv):
     ctx = autocast(c, device)
     U = model.config.n_loops
     prior = exit_prior(c.prior, U, c.prior_lambda).to(device)
-    baseline = unigram_loss(np.asarray(train), np.asarray(val), model.config.vocab_size)
+    baseline = unigram_loss(train, val, model.config.vocab_size)
     tokens_per_iter = c.batch_size * c.block_size * n_micro
     if master:
         describe_run(c, model, device, n_micro, world, baseline)

@@ -22,10 +22,12 @@ step; counterfactual and REINFORCE cost more.
 if not __package__:   # run by its path: the project's modules are importable from its root only
     raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench ...")
 import json
+import os
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from lab.bench_engine import bench_engine, bench_model
@@ -40,7 +42,8 @@ from serve_depthbatch import HEADS, Engine
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching
-                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape
+                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape;
+                           # memory: training start-up's peak memory against the data's size
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -71,7 +74,7 @@ DEFAULTS = dict(
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
     out="",                # gpu: also write the JSON to this file
 )
-RULES = dict(what=["decode", "engine", "train", "gpu"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
+RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
              thr="floats in [0, 1]", seed=SEED_RULE, threads=THREADS_RULE,
              steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0",
              rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS, device=device_rule,
@@ -217,11 +220,55 @@ def bench_train(c):
             "direct_ra_meets_target": rows["direct_ra"] / base <= 1.0}
 
 
+PEAK = """
+import resource, sys
+import train
+train.main(sys.argv[1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)     # KiB on Linux
+"""
+
+
+def bench_memory(c):
+    """Training start-up's peak memory (RSS, KiB) against the size of the data: a train split of 1 MB
+    and one of 90 MB (random ids of one vocabulary, the same small val split), each through train.py's
+    start-up, the unigram baseline and one step with its evaluation, in a process of its own. The
+    target: the 90 MB split peaks within 100 MB of the 1 MB one (the splits are memory-mapped and read
+    in chunks: metrics.CHUNK)."""
+    import subprocess
+    import tempfile
+    from tokenizer import char_meta
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rng = np.random.default_rng(c["seed"])
+    peaks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mb in (1, 90):
+            folder = os.path.join(tmp, f"mem{mb}")
+            os.makedirs(folder)
+            with open(os.path.join(folder, "meta.json"), "w") as f:
+                json.dump(char_meta([chr(97 + i) for i in range(26)]), f)
+            rng.integers(0, 26, mb * 2**19, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
+            rng.integers(0, 26, 2**16, dtype=np.uint16).tofile(os.path.join(folder, "val.bin"))
+            args = [f"--data_dir={tmp}", f"--dataset=mem{mb}", f"--out_dir={folder}/out", "--max_iters=1",
+                    "--eval_interval=1", "--eval_iters=1", "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2",
+                    "--ffn_hidden=64", "--block_size=32", "--batch_size=4", "--threads=1", "--device=cpu"]
+            done = subprocess.run([sys.executable, "-c", PEAK] + args, capture_output=True, text=True, cwd=root,
+                                  check=True)
+            peaks[mb] = int(done.stdout.strip().splitlines()[-1])
+    out = {"bench": "memory", "peak_kib_1mb": peaks[1], "peak_kib_90mb": peaks[90],
+           "difference_mb": round((peaks[90] - peaks[1]) / 1024, 1)}
+    out["target_met"] = out["difference_mb"] <= 100
+    print(f"training start-up's peak memory: {peaks[1] / 1024:.0f} MB with a 1 MB train split, "
+          f"{peaks[90] / 1024:.0f} MB with a 90 MB one: {out['difference_mb']} MB more (target <= 100)",
+          file=sys.stderr)
+    return out
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
     set_threads(c["threads"])
     torch.manual_seed(c["seed"])
-    run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu}[c["what"]]
+    run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu,
+           "memory": bench_memory}[c["what"]]
     print(json.dumps(run(c)))
 
 

@@ -707,3 +707,22 @@ def test_a_full_disk_is_named_on_a_line_of_its_own_and_the_earlier_checkpoint_ke
                 "as it was")
         assert r.returncode == 2 and line in r.stderr.splitlines(), (variant, r.stderr[-800:])
         assert r.stderr.count("error:") == 1 and kept == 2 and left == [".lock", "ckpt.pt", "log.jsonl"], left
+
+
+def test_the_passes_over_a_split_read_it_in_chunks_and_give_the_whole_arrays_numbers(tmp_path, monkeypatch):
+    """metrics.chunks reads a memory-mapped split from its file in chunks (its memory does not grow
+    with the data: python -m lab.bench --what=memory measures it); the unigram baseline and the ids
+    it sees are those of the whole arrays, with chunks of any size."""
+    import metrics
+    rng = np.random.default_rng(int(torch.randint(0, 1000, ())))
+    train_ids, val_ids = rng.integers(0, 50, 10007, dtype=np.uint16), rng.integers(0, 50, 999, dtype=np.uint16)
+    for name, ids in (("train", train_ids), ("val", val_ids)):
+        ids.tofile(tmp_path / f"{name}.bin")
+    train_map, val_map = (np.memmap(tmp_path / f"{n}.bin", dtype=np.uint16, mode="r") for n in ("train", "val"))
+    counts = np.bincount(train_ids, minlength=50) + 1.0
+    whole = float(-np.log(counts / counts.sum())[val_ids].mean())
+    for size in (7, 1000, 1 << 22):
+        monkeypatch.setattr(metrics, "CHUNK", size)
+        assert np.array_equal(np.concatenate(list(metrics.chunks(train_map))), train_ids)
+        assert abs(metrics.unigram_loss(train_map, val_map, 50) - whole) < 1e-12
+        assert abs(metrics.unigram_loss(train_ids, val_ids, 50) - whole) < 1e-12
