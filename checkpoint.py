@@ -20,7 +20,7 @@ import torch
 
 from configurator import DTYPES, UserError, resolve_device
 from model import GPTConfig, LoopedLM
-from tokenizer import EOS, load_tokenizer
+from tokenizer import EOS, hf_tokenizer, load_tokenizer
 
 
 # ----------------------------------------------------------------------------- writing files
@@ -327,10 +327,13 @@ def load_ouro(folder, device="cpu", dtype=None):
 OURO_HUB = "ByteDance/Ouro-1.4B"  # where the published Ouro modeling code lives (for auto_map)
 
 
-def export_ouro(model, folder, meta=None, dtype=None, force=False):
+def export_ouro(model, folder, meta=None, dtype=None, force=False, tiktoken_file=""):
     """Write an Ouro-format folder: config.json (model_type "ouro", an auto_map to the Ouro modeling
-    code on the Hub) + model.safetensors with Ouro's key names, in `dtype` (None: the model's own).
-    Refuses a model that Ouro's code would run differently, and an existing Ouro folder unless `force`."""
+    code on the Hub) + model.safetensors with Ouro's key names, in `dtype` (None: the model's own),
+    and with `meta`, our tokenizer: meta.json (read back by our loader) and the Hugging Face files a
+    user of that library needs (tokenizer.json, tokenizer_config.json, generation_config.json:
+    hf_tokenizer_files). Refuses a model that Ouro's code would run differently, and an existing Ouro
+    folder unless `force`."""
     dtype = dtype or model.lm_head.weight.dtype
     cfg = model.config
     if not cfg.loop_norm:
@@ -342,7 +345,8 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False):
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         raise UserError(f"--out={folder}: holds a training run (ckpt.pt); an Ouro folder beside it would shadow it "
                         "in every --ckpt. Write the export to a folder of its own")
-    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json"]
+    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json", "tokenizer.json",
+            "tokenizer_config.json", "generation_config.json"]
     present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
     if present and not force:
         raise UserError(f"--out={folder}: already holds {', '.join(present)}; give --force to overwrite it")
@@ -370,7 +374,29 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False):
     write_json(os.path.join(folder, "config.json"), hf)
     if meta:
         write_json(os.path.join(folder, "meta.json"), meta)
+        hf_tokenizer_files(meta, folder, cfg.block_size, tiktoken_file)
     return folder
+
+
+def hf_tokenizer_files(meta, folder, context, tiktoken_file=""):
+    """The tokenizer of an exported folder as Hugging Face reads it: tokenizer.json (tokenizer.hf_tokenizer:
+    the same ids as ours), tokenizer_config.json and generation_config.json (the end-of-text id where the
+    tokenizer has one, the paper's sampling: temperature 1.0, top-p 0.7). Without the optional
+    `tokenizers` package, a note says what is missing."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        print("note: no tokenizer.json written (pip install tokenizers); meta.json holds the tokenizer",
+              file=sys.stderr)
+        return
+    hf_tokenizer(meta, tiktoken_file).save(os.path.join(folder, "tokenizer.json"))
+    eos = EOS.get(meta.get("tokenizer"))
+    special = {"eos_token": "<|endoftext|>"} if meta.get("tokenizer") == "gpt2" else {}
+    write_json(os.path.join(folder, "tokenizer_config.json"),
+               {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
+                "clean_up_tokenization_spaces": False, **special})
+    write_json(os.path.join(folder, "generation_config.json"),
+               {"eos_token_id": eos, "do_sample": True, "temperature": 1.0, "top_p": 0.7})
 
 
 # ----------------------------------------------------------------------------- for a script

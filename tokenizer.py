@@ -127,6 +127,56 @@ def load_tokenizer(meta, tiktoken_file=""):
     raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, pieces, gpt2, hf")
 
 
+# ----------------------------------------------------------------------------- as a Hugging Face tokenizer
+
+def hf_tokenizer(meta, tiktoken_file=""):
+    """Our tokenizer as a `tokenizers.Tokenizer` that encodes every text to the same ids (an exported
+    Ouro folder's tokenizer.json; the optional `tokenizers` package): char, one token a character;
+    pieces, the longest piece that matches first (an ordered alternation, longest first); GPT-2,
+    byte-level BPE whose merges are read off tiktoken's ranks (a token's merge: each split of it into
+    two tokens, in the order of the ranks)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    check_meta(meta)
+    kind = meta.get("tokenizer")
+    if kind in ("char", "pieces"):
+        vocab = list(meta["chars"]) if kind == "char" else list(meta["pieces"])
+        tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(vocab)}, unk_token=vocab[0]))
+        longest_first = sorted(vocab, key=len, reverse=True)
+        pattern = r"[\s\S]" if kind == "char" else "|".join(_escape(p) for p in longest_first)
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return tok
+    if kind == "hf":
+        return Tokenizer.from_file(meta["path"])
+    enc = gpt2_encoding(tiktoken_file)
+    ranks = enc._mergeable_ranks
+    byte_char = _bytes_to_unicode()
+    text = lambda b: "".join(byte_char[x] for x in b)
+    merges = []
+    for token, rank in ranks.items():
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, ranks[a], ranks[b], text(a), text(b)) for a, b in splits]
+    tok = Tokenizer(models.BPE({text(t): r for t, r in ranks.items()},
+                               [(a, b) for *_, a, b in sorted(merges)], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in enc._special_tokens])
+    return tok
+
+
+def _escape(piece):
+    """A piece as a literal in the regex of tokenizers (Oniguruma)."""
+    return "".join("\\" + c if not c.isalnum() and c != " " else c for c in piece).replace("\\\n", "\\n")
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte-level alphabet: every byte a printable character (the printable ones as
+    themselves, the others shifted past 255), as byte-level BPE tokenizers write their vocabulary."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
+
+
 # ----------------------------------------------------------------------------- ChatML
 
 def has_chat(meta):

@@ -293,3 +293,70 @@ def test_sample_on_ouro_folder_with_tokenizer_chat_and_ids(tmp_path, monkeypatch
     res = sample.main(["--ckpt", folder, "--thr", "0.5", "--prompt_ids", "6,7,8", "--max_new_tokens=3",
                        "--temperature=0", "--mode=ete_ragged"])
     assert res[0]["text"] is None and len(res[0]["tokens"]) == 3
+
+
+def test_an_exported_folder_carries_a_tokenizer_hugging_face_reads_with_our_ids(tmp_path):
+    """lab/export_ouro.py's folder is whole: tokenizer.json, tokenizer_config.json and
+    generation_config.json beside meta.json, for the character and the piece tokenizers and GPT-2's
+    byte-level BPE (its merges read off tiktoken's ranks; here a small encoding of the same kind, made
+    from its own merges); `tokenizers` (and transformers' AutoTokenizer where installed) encodes sample
+    texts to our ids and decodes them back."""
+    import importlib.util
+    import tiktoken
+    from tokenizers import Tokenizer
+    import checkpoint
+    import tokenizer as tk
+    from prepare_data import HOP_PIECES, SYNTH_CHARS
+    cases = [(tk.char_meta(SYNTH_CHARS), ["x=3 a=x ; a? 3\n", "sum 1+2+9=2", ""]),
+             (tk.pieces_meta(HOP_PIECES), ["hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3\n", "dc ;\n"])]
+    for meta, texts in cases:
+        model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=32, n_layer=1, n_head=2, n_kv_head=2,
+                                   n_embd=16, ffn_hidden=24, loop_norm=True, branch_norm_init=1.0))
+        folder = checkpoint.export_ouro(model, str(tmp_path / meta["tokenizer"]), meta)
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "meta.json"} <= set(
+            os.listdir(folder))
+        hf, (encode, _) = Tokenizer.from_file(os.path.join(folder, "tokenizer.json")), tk.load_tokenizer(meta)
+        for text in texts:
+            assert hf.encode(text, add_special_tokens=False).ids == encode(text) and hf.decode(encode(text)) == text
+        if importlib.util.find_spec("transformers"):
+            from transformers import AutoTokenizer
+            auto = AutoTokenizer.from_pretrained(folder)
+            assert all(auto(t, add_special_tokens=False)["input_ids"] == encode(t) for t in texts)
+    # GPT-2's kind of tokenizer: byte-level BPE from tiktoken ranks (a small one, trained on a text here)
+    import random
+    rng = random.Random(int(torch.randint(0, 1000, ())))
+    text = "".join(rng.choice(["the cat ", "sat on ", "a mat", "\n", "it's ", "Ünï 🙂 "]) for _ in range(300))
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [w.encode() for w in text.split(" ")]
+    while len(ranks) < 400:                         # byte-pair merges, most frequent first
+        pairs = {}
+        for w in words:
+            parts = tk_split(w, ranks)
+            for a, b in zip(parts, parts[1:]):
+                pairs[a + b] = pairs.get(a + b, 0) + 1
+        if not pairs:
+            break
+        ranks[max(pairs, key=pairs.get)] = len(ranks)
+    gpt2_split = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    enc = tiktoken.Encoding("small", pat_str=gpt2_split, mergeable_ranks=ranks,
+                            special_tokens={"<|endoftext|>": len(ranks)})
+    real = tk.gpt2_encoding
+    try:
+        tk.gpt2_encoding = lambda tiktoken_file="": enc
+        hf = tk.hf_tokenizer({"tokenizer": "gpt2", "vocab_size": 50257})
+    finally:
+        tk.gpt2_encoding = real
+    for piece in (text[:200], "the mat sat on it's cat\n\n  ", "Ünï 🙂 zebra!", "<|endoftext|>the"):
+        ids = enc.encode(piece, allowed_special={"<|endoftext|>"})
+        assert hf.encode(piece, add_special_tokens=False).ids == ids and len(ids) < len(piece.encode())
+
+
+def tk_split(word, ranks):
+    """A word's BPE parts under the ranks so far (the lowest-ranked pair merged first)."""
+    parts = [bytes([b]) for b in word]
+    while True:
+        pairs = [(ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, parts[1:])) if a + b in ranks]
+        if not pairs:
+            return parts
+        _, i = min(pairs)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]

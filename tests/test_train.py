@@ -726,3 +726,20 @@ def test_the_passes_over_a_split_read_it_in_chunks_and_give_the_whole_arrays_num
         assert np.array_equal(np.concatenate(list(metrics.chunks(train_map))), train_ids)
         assert abs(metrics.unigram_loss(train_map, val_map, 50) - whole) < 1e-12
         assert abs(metrics.unigram_loss(train_ids, val_ids, 50) - whole) < 1e-12
+
+
+@pytest.mark.parametrize("code,reason", [("EACCES", "Permission denied"), ("EROFS", "Read-only file system")])
+def test_a_folder_that_cannot_be_written_is_named_with_the_os_reason_before_anything_runs(tmp_path, monkeypatch,
+                                                                                           code, reason):
+    """A read-only file system or a folder without write permission (the OS says so when the run
+    tries its folder, before any work): one UserError naming --out_dir, the path and the OS's reason,
+    and nothing written."""
+    import errno
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise OSError(getattr(errno, code), reason)
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    with pytest.raises(UserError, match=f"--out_dir=.*cannot write in .*{reason}"):
+        train.main(TINY + [f"--out_dir={tmp_path / 'o'}", "--max_iters=2"])
+    assert not os.path.exists(tmp_path / "o")
