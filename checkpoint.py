@@ -1,6 +1,6 @@
 """
-Model files on disk: atomic writes, our nanoGPT-style checkpoints (ckpt.pt), and Ouro Hugging Face
-folders (strict import, export).
+Model files on disk: atomic writes (and what an interrupted one leaves), an earlier run kept aside,
+our nanoGPT-style checkpoints (ckpt.pt), and Ouro Hugging Face folders (strict import, export).
 
     model, ckpt = load_checkpoint("out/")                 # our ckpt.pt (file or folder) or an Ouro folder
     model, meta, encode, decode = load_for_script(c)      # the same, with its tokenizer, for a script
@@ -47,6 +47,34 @@ def atomic_write(path, write):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[-1][:120]
             raise UserError(f"cannot write {path} ({reason}); what was there before is kept as it was") from e
         raise
+
+
+def remove_stale_temps(folder):
+    """Remove the temp files an interrupted atomic_write left in folder (hidden, `.tmp`, each up to
+    the file's size); returns their names."""
+    stale = sorted(n for n in os.listdir(folder) if n.startswith(".") and n.endswith(".tmp"))
+    for name in stale:
+        os.remove(os.path.join(folder, name))
+    return stale
+
+
+def aside_folder(out_dir):
+    """Where an earlier run of out_dir goes when a fresh one replaces it: out_dir/earlier-1, -2, ..."""
+    k = 1
+    while os.path.exists(os.path.join(out_dir, f"earlier-{k}")):
+        k += 1
+    return os.path.join(out_dir, f"earlier-{k}")
+
+
+def keep_aside(out_dir):
+    """The earlier run's ckpt.pt and log.jsonl, moved into a folder of its own: nothing a user trained
+    is replaced unasked. Returns the folder."""
+    folder = aside_folder(out_dir)
+    os.makedirs(folder)
+    for name in ("ckpt.pt", "log.jsonl"):
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    return folder
 
 
 def write_json(path, obj):

@@ -29,7 +29,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from checkpoint import atomic_write, is_ouro_folder, load_checkpoint, model_args, save_checkpoint
+from checkpoint import (aside_folder, atomic_write, is_ouro_folder, keep_aside, load_checkpoint, model_args,
+                        remove_stale_temps, save_checkpoint)
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, resolve_device,
                           run_cli, set_threads)
 from metrics import chunks, draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
@@ -367,11 +368,9 @@ def lock_out_dir(c):
         f.close()
         raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait for it to end or "
                         "give another --out_dir")
-    stale = [n for n in os.listdir(c.out_dir) if n.startswith(".") and n.endswith(".tmp")]
-    for name in stale:
-        os.remove(os.path.join(c.out_dir, name))
+    stale = remove_stale_temps(c.out_dir)
     if stale:
-        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} ({', '.join(sorted(stale))})",
+        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} ({', '.join(stale)})",
               file=sys.stderr)
     return f
 
@@ -394,25 +393,6 @@ def log_target(c, master):
               f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then this run logs to {log_file}",
               file=sys.stderr)
     return log_file, pending
-
-
-def aside_folder(out_dir):
-    """Where an earlier run of out_dir goes when a fresh one replaces it: out_dir/earlier-1, -2, ..."""
-    k = 1
-    while os.path.exists(os.path.join(out_dir, f"earlier-{k}")):
-        k += 1
-    return os.path.join(out_dir, f"earlier-{k}")
-
-
-def keep_aside(out_dir):
-    """The earlier run's ckpt.pt and log.jsonl, moved into a folder of its own: nothing a user trained
-    is replaced unasked. Returns the folder."""
-    folder = aside_folder(out_dir)
-    os.makedirs(folder)
-    for name in ("ckpt.pt", "log.jsonl"):
-        if os.path.exists(os.path.join(out_dir, name)):
-            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    return folder
 
 
 def autocast(c, device):

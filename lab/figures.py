@@ -10,7 +10,9 @@ import os
 
 import numpy as np
 
-from lab.claims import POINTER_TASKS, THRS, branch_runs, deepest, graded_runs, replicates, rollouts
+from lab.claims import POINTER_TASKS, THRS, branch_runs, deepest, rollouts
+from lab.difficulty import graded_runs
+from lab.stats import replicates
 
 COLORS = {"local": "tab:blue", "global": "tab:red"}
 

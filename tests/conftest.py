@@ -8,6 +8,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from model import FULL, GPTConfig, LoopedLM  # noqa: E402  (after the interprete
 from request import Request  # noqa: E402
 from modes import prompt_thresholds  # noqa: E402
 from serve_depthbatch import Engine  # noqa: E402
+from lab.claims import THRS  # noqa: E402
 
 U = 4
 
@@ -253,3 +255,34 @@ def make_tokenizer(path):
                                                  pre_tokenizers.Split("\n", "isolated")])
     tok.decoder = decoders.WordPiece()
     tok.save(path)
+
+
+# ----------------------------------------------------------------------------- runs of the grid, made by hand
+
+def fake_run(name, scope="global", prior="poisson", seed=1, jumps=0.2, fractions=(0.4, 0.3, 0.2, 0.1), rho=0.3,
+             fixed=(2.0, 1.8, 1.7, 1.65), ragged=1.6, depth=2.0, data="synthetic", **extra):
+    """A run's result.json made by hand (lab/reproduce.py's keys): its final numbers, a training curve of
+    three evaluations and an exit trace; extra keys (windows, builtin, parent, ...) as given."""
+    final = {"val_loss_fixed": list(fixed), "val_loss_ragged": {str(t): ragged for t in (0.5, 0.2, 0.3, 0.7)},
+             "ragged_depth": {str(t): depth for t in (0.5, 0.2, 0.3, 0.7)}, "avg_exit_depth": depth,
+             "exit_fractions": list(fractions), "jump_rates": [1 - jumps, 0.0, jumps, 0.0], "large_jump_rate": jumps,
+             "kl_global": 0.01, "depth_by_difficulty": {str(k): 1.0 + 0.5 * k for k in range(5)},
+             "difficulty_spearman": rho}
+    curve = [{"iter": i, "tokens": 100 * i, "val_loss_fixed": list(fixed), "val_loss_ragged": {"0.5": ragged},
+              "avg_exit_depth": depth, "large_jump_rate": jumps, "exit_fractions": list(fractions)} for i in (0, 5, 10)]
+    trace = {"tokens": list("x=3 a=x ; a? 3\n"), "exits": [1, 1, 2, 1, 1, 1, 3, 1, 1, 2, 1, 1, 4, 1, 1],
+             "labels": [0] * 13 + [1, 0], "thr": 0.5}
+    return dict(name=name, data=data, scope=scope, prior=prior, seed=seed, final=final, curve=curve, trace=trace,
+                **extra)
+
+
+def windows(fixed, ragged, depth, seed, n=160, noise=0.05):
+    """A run's per-window losses whose means are exactly the given ones: a window's own difficulty
+    (shared by every depth, and by every run of the same seed) plus noise of its own."""
+    g = np.random.default_rng(seed)
+    own = lambda: (lambda e: e - e.mean())(g.normal(0, 0.01, n))
+    shared = own() * noise / 0.01
+    columns = [f + shared + own() for f in fixed]
+    return {"fixed": [list(row) for row in zip(*columns)],
+            "ragged": {str(t): list(ragged + shared + own()) for t in THRS},
+            "depth": {str(t): list(np.full(n, depth)) for t in THRS}}

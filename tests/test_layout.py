@@ -10,7 +10,7 @@ import re
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "scheduler", "request", "rows", "checkpoint",
            "tokenizer", "configurator", "server", "objectives", "metrics", "slot_engine", "slot_pass", "lab.tasks",
-           "lab.claims", "lab.figures", "lab.report", "lab.gpu_counts",
+           "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
