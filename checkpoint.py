@@ -136,7 +136,6 @@ def check_one_model(folder, flag):
                         "to a folder of their own")
 
 
-
 def resolve_ckpt_path(path, flag="--ckpt"):
     if os.path.isdir(path):
         path = os.path.join(path, "ckpt.pt")

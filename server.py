@@ -412,7 +412,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-
 class HTTPServer(http.server.ThreadingHTTPServer):
     """The standard library's threaded server, with a listen backlog for bursts of clients, a cap on
     the connections served at once and a smaller one on those of one address (so that one client,

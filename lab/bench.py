@@ -94,6 +94,7 @@ FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode", 
 NEEDS = {k: ("--what=" + " or --what=".join(w.split()), lambda c, w=w: c["what"] in w.split())
          for k, w in FOR_WHAT.items()}
 
+
 def timed(fns, repeats, desc="bench"):
     """Time every fn of {name: fn} `repeats` times, interleaved (name by name within each round, so
     that a slow spell of a loaded machine hits every mode alike), with a progress bar on stderr.

@@ -137,6 +137,7 @@ def replicates_own(groups, seed):
 # ----------------------------------------------------------------------------- the graded task's exits: rule 2
 
 def graded_runs(R, scope):
+    """The graded task's parents of a scope that hold their builtin suite."""
     return [r for r in base_runs(R, "graded", scope) if r.get("builtin")]
 
 
@@ -145,6 +146,7 @@ def need_of(suite, k, U):
     NEED_MARGIN of its best fixed depth's, on the items of `suite`."""
     acc = [rollouts(suite, f"fixed@{d}", k, "correct").mean() for d in range(1, U + 1)]
     return next(d for d in range(1, U + 1) if acc[d - 1] >= max(acc) - NEED_MARGIN)
+
 
 def need_model(r, levels, U):
     """Rule 2 on one graded model: its need per k, set on the items held apart (builtin_need), and on the
@@ -181,8 +183,8 @@ def need_claims(R):
     answer depth, both ways round (models resampled, each scope apart)."""
     claim = "Exits follow each model's need more under global than local: graded (k hidden)"
     rule = (f"rule 2: per model, Spearman(the answer's exit, the need of its k) against {N_SHUFFLES} shuffles of its "
-            "exits (need: the shallowest fixed depth within 0.05 of its best, on items held apart); models enter "
-            "when fixed@U beats fixed@1 past one look-up (interval above 0), at least "
+            f"exits (need: the shallowest fixed depth within {NEED_MARGIN} of its best, on items held apart); models "
+            "enter when fixed@U beats fixed@1 past one look-up (interval above 0), at least "
             f"{MIN_MODELS} a scope. Holds when global minus local mean Spearman has its 95% interval above 0 both ways "
             "round: each scope's models at the τ whose answer depth is nearest the other scope's at τ 0.5")
     runs = {s: [r for r in graded_runs(R, s) if r.get("builtin_need")] for s in ("global", "local")}

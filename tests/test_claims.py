@@ -130,8 +130,9 @@ def fake_lookup(data, scope, seed, fixed_acc, acc, depth, g, items=40, prompt=10
 
 def frontier(runs):
     """The frontier rows of these runs, by mode, dataset and kind ("ETE-Ragged: hops, global")."""
-    return {c["claim"].replace(" past the fixed depths' frontier", ""): c for c in claims.frontier_claims({r["name"]: r for r in runs})
-            if "not run" not in c["verdict"]}
+    rows = claims.frontier_claims({r["name"]: r for r in runs})
+    name = lambda c: c["claim"].replace(" past the fixed depths' frontier", "")
+    return {name(c): c for c in rows if "not run" not in c["verdict"]}
 
 
 def test_a_saturated_envelope_is_untested_and_the_compute_it_overspends_is_said():
@@ -160,7 +161,8 @@ def test_ragged_past_a_rising_envelope_is_judged_by_superiority():
     good = [fake_lookup("pointer", "global", i, rising, 0.8, 2.5, g, items=100) for i in range(3)]
     level = [fake_lookup("pointer", "local", i, rising, 0.5, 2.5, g, items=100) for i in range(3)]
     rows = frontier(good + level)
-    assert rows["ETE-Ragged: pointer, global"]["verdict"] == "yes" and rows["ETE-Ragged: pointer, local"]["verdict"] == "no"
+    assert rows["ETE-Ragged: pointer, global"]["verdict"] == "yes"
+    assert rows["ETE-Ragged: pointer, local"]["verdict"] == "no"
     assert "4 of 4 τ testable, 4 pass; saves 1.50 loops a token" in rows["ETE-Ragged: pointer, global"]["here"]
     assert "3 of 3 models better, sign test p 0.25" in rows["ETE-Ragged: pointer, global"]["numbers"]
     assert frontier(good[:2])["ETE-Ragged: pointer, global"]["verdict"] == "untested (2 models, of 3 a scope)"
@@ -169,7 +171,8 @@ def test_ragged_past_a_rising_envelope_is_judged_by_superiority():
     for r in runs:                                          # the envelope at 2.5: 1.75
         r["windows"] = windows((2.0, 1.8, 1.7, 1.65), 1.70 if r["scope"] == "global" else 1.80, 2.5, seed + r["seed"])
     rows = frontier(runs)
-    assert rows["ETE-Ragged: synthetic, global"]["verdict"] == "yes" and rows["ETE-Ragged: synthetic, local"]["verdict"] == "no"
+    assert rows["ETE-Ragged: synthetic, global"]["verdict"] == "yes"
+    assert rows["ETE-Ragged: synthetic, local"]["verdict"] == "no"
     assert "loss gap τ 0.5: -0.050 [" in rows["ETE-Ragged: synthetic, global"]["here"]
 
 
@@ -390,7 +393,6 @@ def test_difficulty_on_synthetic_needs_depth_to_buy_accuracy_first():
 def test_the_answers_exits_rise_with_a_visible_k(data):
     """A look-up task whose k shows: the precondition (depth buys accuracy at the hardest k) gates the
     rise of the answer's exit depth with k, global against local, models then items resampled."""
-    g = fresh()
     helps = [(0.3, 0.9, 1.0, 1.0), (0.3, 0.4, 0.8, 0.9), (0.3, 0.3, 0.5, 0.8), (0.3, 0.3, 0.3, 0.6)]
 
     def make(scope, seed, accs, depth_of_k, items=50):
