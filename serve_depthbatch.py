@@ -550,7 +550,7 @@ class EagerRunner:
         if sched.waiting:
             dear, limit = len(waits) * self.w_block >= self.w_head * sched.max_batch, MAX_WAIT
         else:
-            left = {s: self._passes_left(s) for s in sched.running}
+            left = {s: self._passes_expected(s) for s in sched.running}
             end = max(left.values())
             dear = self.w_head < self.w_block or any(left[s] + w + 1 > end for s, w in waits)
             limit = self.U
@@ -558,9 +558,10 @@ class EagerRunner:
             return []
         return self.pending.take()
 
-    def _passes_left(self, s):
-        """Passes a running request still needs: tokens to go x the passes each of its decode tokens
-        took so far (its mean decode depth, plus what its rows waited for the head)."""
+    def _passes_expected(self, s):
+        """Passes a running request is expected to need still (an estimate, where the slot runner's
+        passes_left is a bound): tokens to go x the passes each of its decode tokens took so far (its
+        mean decode depth, plus what its rows waited for the head)."""
         total, n = s.decode_depths
         return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n else n_run(s.req, self.U))
 

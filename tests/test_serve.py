@@ -368,8 +368,8 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
         if waiting and e.scheduler.waiting:
             assert len(waiting) * h.w_block < h.w_head * e.scheduler.max_batch
         elif waiting:      # only where a call costs more than a pass, never the request that ends the batch
-            end = max(h._passes_left(s) for s in e.scheduler.running)
-            assert h.w_head >= h.w_block and all(h._passes_left(s) + w + 1 <= end for s, _, _, w in waiting)
+            end = max(h._passes_expected(s) for s in e.scheduler.running)
+            assert h.w_head >= h.w_block and all(h._passes_expected(s) + w + 1 <= end for s, _, _, w in waiting)
         deferred.append(len(waiting))
         return out
     h._head_rows = checked
