@@ -90,14 +90,16 @@ class Ticket:
 class SlotRunner:
     """serve_depthbatch.Engine's runner on the device, over Slots and run_pass. A step launches up to
     `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a prompt
-    has chunks to start) and reads the log of the step before (overlap; overlap=False: its own, at
-    once, the eager runner's order of passes exactly). graphs: capture every bucket as a CUDA graph
-    when the engine starts, for each kind of pass and each of the `sampling` draws (slot_pass.SAMPLING;
-    a draw left out is captured on its first use); fuse: compile the pass whole (compiled_pass);
-    "auto": both where slot_pass can capture graphs (CUDA). The model is frozen and its projections
-    stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
+    has chunks to start) and, with overlap, reads the log of the step before while they run
+    (overlap=False: its own, at once, the eager runner's order of passes exactly). graphs: capture
+    every bucket as a CUDA graph when the engine starts, for each kind of pass and each of the
+    `sampling` draws (slot_pass.SAMPLING; a draw left out is captured on its first use); fuse: compile
+    the pass whole (compiled_pass); "auto": all three where slot_pass can capture graphs (CUDA). On a
+    CPU the passes run in the host's own thread: nothing overlaps, and a late read would only leave the
+    host an older copy of the rows (larger buckets). The model is frozen and its projections stacked
+    (four GEMMs a layer: LoopedLM.fuse_projections)."""
 
-    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto", overlap=True,
+    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto", overlap="auto",
                  keep_logits=False, n_stop=8, sampling=SAMPLING):
         if engine.scheduler.kind == "nested":
             raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager", "scheduler")
@@ -111,7 +113,7 @@ class SlotRunner:
         # frozen: no parameter that requires grad reaches a compiled pass (autograd would trace a joint
         # graph, and the survive update of Eq. 4 in place would fail it)
         self.model = engine.model.requires_grad_(False).fuse_projections()
-        self.sync_every, self.due_every, self.overlap = sync_every, due_every, overlap
+        self.sync_every, self.due_every = sync_every, due_every
         # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits for their log
         R, S, n_keys = engine.scheduler.max_rows + 2 * engine.scheduler.max_batch, 2 * engine.scheduler.max_batch, \
             self.model.config.block_size
@@ -120,6 +122,7 @@ class SlotRunner:
         capture = can_capture(self.device)
         self.graphs = Graphs(self.slots.buffers) if (capture if graphs == "auto" else graphs) else None
         self.fuse = capture if fuse == "auto" else fuse
+        self.overlap = capture if overlap == "auto" else overlap
         self.upload, self.download = Upload(self.device), Download(self.device)
         self.by_slot, self.free_slots, self.freed = [None] * S, list(range(S - 1, -1, -1)), []
         # the host's copy of the rows, as of the last log read and its own writes since: which are live

@@ -200,7 +200,8 @@ def drive_slots(model, work, max_batch, max_rows, scheduler, graphs, counted):
     counted, (h2d, syncs, launches) of every step and of the steady ones."""
     longest = max(len(r.prompt) + r.max_tokens for r in work)
     engine = Engine(model, max_batch * longest * model.config.n_loops, max_batch=max_batch, max_rows=max_rows,
-                    scheduler=scheduler, runner="slots", graphs=graphs, fuse=graphs, sampling=("greedy",))
+                    scheduler=scheduler, runner="slots", graphs=graphs, fuse=graphs, overlap=True,
+                    sampling=("greedy",))
     for r in work:
         engine.add(Request(list(r.prompt), r.max_tokens, r.mode, r.thr))
     runner, st = engine.runner, engine.runner.slots

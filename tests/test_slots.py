@@ -94,7 +94,7 @@ def test_the_slot_runner_equals_each_request_alone_by_the_oracles():
     for r in reqs:
         r.stop = ()                  # every request runs all its tokens
     s = Engine(model, 4000, max_batch=rng.randint(2, 4), max_rows=rng.choice([5, 24]), runner="slots",
-               keep_logits=True)
+               overlap=True, keep_logits=True)
     s.run(reqs)
     assert s.pool.used == 0 and s.stats["drained"] < s.stats["launched"]
     for r in reqs:
@@ -127,7 +127,7 @@ def test_preempted_requests_replay_their_exits_exactly():
         batch, rows = rng.randint(2, 5), rng.choice([5, 24, 64])
         a = drive(Engine(model, 4000, max_batch=batch, max_rows=rows), [clone(r) for r in reqs])
         s = Engine(model, 120, max_batch=batch, max_rows=rows, runner="slots", sync_every=rng.choice([1, 8]),
-                   keep_logits=True)
+                   overlap=True, keep_logits=True)
         b = drive(s, [clone(r) for r in reqs])
         assert_equal_runs(a, b, pages=False)     # block_evals count the replays' work too
         preempted += s.stats["preemptions"]
