@@ -96,10 +96,10 @@ def _unknown(key, config):
 
 
 def parse(argv, defaults, rules=None, source=None, given=None, needs=None):
-    """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the
-    script's file, for --help; given: a set that receives the keys set on the command line or in a
-    config file to another value than their default (mark); needs: {key: (what, test)}, the keys that act only
-    with another setting (see check_needs). Returns a new dict."""
+    """defaults: {key: default}; rules: {key: rule} (see the module docstring); source: the script's
+    file, for --help; given: a set that receives the keys set on the command line or in a config
+    file to another value than their default (mark); needs: {key: (what, test)}, the keys that act
+    only with another setting (see check_needs). Returns a new dict."""
     config = dict(defaults)
     given = set() if given is None else given
     args = list(argv)
@@ -142,7 +142,8 @@ def check_needs(config, given, needs):
     the user would write it, test of the config)}: each script's table beside its RULES."""
     for key, (what, test) in needs.items():
         if key in given and not test(config):
-            raise UserError(f"--{key}={config[key]!r} does nothing without {what}: give {what}, or leave --{key} out")
+            raise UserError(f"--{key}={config[key]!r} does nothing without {what}: give {what}, or "
+                            f"leave --{key} out")
 
 
 def check(key, value, rule):
@@ -183,10 +184,12 @@ def resolve_device(name):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise UserError(f"--device={name}: CUDA is not available on this machine; use --device=cpu or auto")
+            raise UserError(f"--device={name}: CUDA is not available on this machine; use "
+                            "--device=cpu or auto")
         index = int(name.split(":")[1]) if ":" in name else 0
         if index >= torch.cuda.device_count():
-            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA "
+                            "device(s)")
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
     return name
@@ -203,21 +206,22 @@ THREADS_RULE = threads_rule
 
 def set_threads(n):
     """--threads of every torch script: torch's intra-op threads (0: leave torch's default, one per
-    core). Beside other jobs on a small machine give 1: threads without a core of their own spin while
-    they wait, and a run slows many times over."""
+    core). Beside other jobs on a small machine give 1: threads without a core of their own spin
+    while they wait, and a run slows many times over."""
     if n:
         torch.set_num_threads(n)
 
 
-# NEEDS of every script that samples: top-k and top-p shape a sampled draw, and greedy decoding draws none
+# NEEDS of every script that samples: top-k and top-p shape a sampled draw, and greedy decoding
+# draws none
 _sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
 SAMPLING_NEEDS = dict(top_k=_sampled, top_p=_sampled)
 
 # --dtype of the inference scripts: "" keeps the checkpoint's own
 DTYPES = {"": None, "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
-# The keys of every script that loads a model to run it (sample.py, server.py, lab/eval.py): declared
-# here once, with their comments (--help reads them from this file) and their rules.
+# The keys of every script that loads a model to run it (sample.py, server.py, lab/eval.py):
+# declared here once, with their comments (--help reads them from this file) and their rules.
 MODEL_RUN = dict(
     device="auto",         # where to run (auto: CUDA when there is one)
     threads=0,             # torch threads (0: torch's own, one per core; 1 beside other jobs)
@@ -240,7 +244,8 @@ def _in_range(v, rule):
         lo, hi = float(m[2]), float(m[3])
         return (lo <= v if m[1] == "[" else lo < v) and (v <= hi if m[4] == "]" else v < hi)
     op, bound = rule.split()
-    return {">=": v >= float(bound), ">": v > float(bound), "<=": v <= float(bound), "<": v < float(bound)}[op]
+    return {">=": v >= float(bound), ">": v > float(bound), "<=": v <= float(bound),
+            "<": v < float(bound)}[op]
 
 
 def _is_number(s):
@@ -255,11 +260,13 @@ def _apply_file(path, config, defaults, given=None):
         raise UserError(f"cannot read config file {path!r}: {e.strerror}")
     scope = {}
     try:
-        exec(compile(source, path, "exec"), {}, scope)  # a config file is trusted python, as in nanoGPT
+        # a config file is trusted python, as in nanoGPT
+        exec(compile(source, path, "exec"), {}, scope)
     except SyntaxError as e:
         raise UserError(f"config file {path}: line {e.lineno}: {e.msg}")
     except Exception as e:      # an undefined name, a failing expression: the file's own mistake
-        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                     if f.filename == path), "?")
         raise UserError(f"config file {path}: line {line}: {type(e).__name__}: {e}")
     for key, value in scope.items():
         if key.startswith("_") or callable(value) or type(value).__name__ == "module":
@@ -304,10 +311,11 @@ def help_text(defaults, rules=None, source=None, needs=None):
         with open(source, encoding="utf-8") as f:
             text = f.read()
         doc = (ast.get_docstring(ast.parse(text)) or "").strip()
-        with open(__file__, encoding="utf-8") as f:     # the keys declared here once (MODEL_RUN), then the script's
+        # the keys declared here once (MODEL_RUN), then the script's
+        with open(__file__, encoding="utf-8") as f:
             comments = dict(declared_comments(f.read()), **declared_comments(text))
-    lines = [f"usage: python {command(source or 'script.py')} [config/*.py ...] [--key=value | --key value | --flag "
-             "...]", ""]
+    lines = [f"usage: python {command(source or 'script.py')} [config/*.py ...] [--key=value | "
+             "--key value | --flag ...]", ""]
     if doc:
         lines += [doc, ""]
     lines.append("options (default, then what it does; allowed values in brackets):")
@@ -315,7 +323,8 @@ def help_text(defaults, rules=None, source=None, needs=None):
     for key, default in defaults.items():
         flag = f"--{key}={default!r}"
         need = f" (only with {needs[key][0]})" if key in (needs or {}) else ""
-        lines.append(f"  {flag:<{width}} {comments.get(key, '')}{_describe((rules or {}).get(key))}{need}".rstrip())
+        lines.append(f"  {flag:<{width}} "
+                     f"{comments.get(key, '')}{_describe((rules or {}).get(key))}{need}".rstrip())
     return "\n".join(lines)
 
 
@@ -337,8 +346,9 @@ def _describe(rule):
 
 
 def check_writable(path, key):
-    """Before any work: can the script write to the folder `path` (given as --key)? Tries a temporary
-    file in it, or in its nearest existing parent when it does not exist yet (it is not created)."""
+    """Before any work: can the script write to the folder `path` (given as --key)? Tries a
+    temporary file in it, or in its nearest existing parent when it does not exist yet (it is not
+    created)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"--{key}={path}: exists and is not a directory")
     probe = os.path.abspath(path)
@@ -352,8 +362,8 @@ def check_writable(path, key):
 
 
 def fail(line):
-    """Print the error line, on a line of its own (an open progress bar is closed first), and exit 2.
-    Under torchrun every rank fails alike: rank 0 prints the line and each rank leaves it in
+    """Print the error line, on a line of its own (an open progress bar is closed first), and exit
+    2. Under torchrun every rank fails alike: rank 0 prints the line and each rank leaves it in
     torchrun's error file, so that torchrun's own failure report (which follows; torchrun exits 1)
     names it as the root cause instead of "<N/A>"."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -362,7 +372,8 @@ def fail(line):
                                                                   "timestamp": str(int(time.time()))}}}, f)
     if os.environ.get("RANK", "0") == "0":
         from tqdm import tqdm
-        for bar in list(getattr(tqdm, "_instances", ())):     # a progress bar still open ends its line first
+        # a progress bar still open ends its line first
+        for bar in list(getattr(tqdm, "_instances", ())):
             bar.close()
         print(line, file=sys.stderr)
     sys.exit(2)

@@ -56,8 +56,8 @@ def check_inputs(q, k_pages, v_pages, page_ids, lengths):
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, k_pages {tuple(k_pages.shape)}, v_pages "
                          f"{tuple(v_pages.shape)}: need the same head dim and Hq a multiple of Hkv")
     if page_ids.dim() != 2 or page_ids.shape[0] != R or lengths.shape != (R,):
-        raise ValueError(f"paged_attention: page_ids {tuple(page_ids.shape)} and lengths {tuple(lengths.shape)} "
-                         f"for {R} rows")
+        raise ValueError(f"paged_attention: page_ids {tuple(page_ids.shape)} and lengths "
+                         f"{tuple(lengths.shape)} for {R} rows")
 
 
 def gather_plan(page_ids, lengths, device):
@@ -67,16 +67,19 @@ def gather_plan(page_ids, lengths, device):
     mask: then paged_attention_grid reads them in place. The same in every layer of a pass: the
     engine computes it once per pass."""
     page_ids, lengths = page_ids.to(device).long(), lengths.to(device)
-    if int(lengths.min()) == page_ids.shape[1]:                # every row reads its whole list: no mask
+    # every row reads its whole list: no mask
+    if int(lengths.min()) == page_ids.shape[1]:
         return page_ids.reshape(-1), None, grid_of(page_ids)
-    valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths[:, None]   # [R, maxlen]
+    # [R, maxlen]
+    valid = torch.arange(page_ids.shape[1], device=device)[None, :] < lengths[:, None]
     return torch.where(valid, page_ids, 0).reshape(-1), valid[:, None, None, :], None
 
 
 def grid_of(page_ids):
-    """(base, s_r, s_j) when page_ids[r, j] = base + r*s_r + j*s_j for every entry (s_r >= 0, s_j >= 1):
-    the rows' pages lie on a regular grid of the pool, as when a batch of requests starts together
-    (ragged.alloc_wave), and can be read in place like a dense lane (grid_view); else None."""
+    """(base, s_r, s_j) when page_ids[r, j] = base + r*s_r + j*s_j for every entry (s_r >= 0, s_j >=
+    1): the rows' pages lie on a regular grid of the pool, as when a batch of requests starts
+    together (ragged.alloc_wave), and can be read in place like a dense lane (grid_view); else
+    None."""
     R, n = page_ids.shape
     base = int(page_ids[0, 0])
     s_j = int(page_ids[0, 1]) - base if n > 1 else 1
@@ -92,7 +95,8 @@ def grid_view(pages, grid, R, n):
     base, s_r, s_j = grid
     _, Hkv, D = pages.shape
     page, head, dim = pages.stride()
-    return pages.as_strided((R, Hkv, n, D), (s_r * page, head, s_j * page, dim), pages.storage_offset() + base * page)
+    return pages.as_strided((R, Hkv, n, D), (s_r * page, head, s_j * page, dim),
+                            pages.storage_offset() + base * page)
 
 
 def sdpa(q, k, v, mask, scale):
@@ -111,17 +115,21 @@ def paged_attention_torch(q, k_pages, v_pages, page_ids, lengths, scale=None, pl
     R, Hq, D = q.shape
     Hkv, maxlen = k_pages.shape[1], page_ids.shape[1]
     ids, mask, _ = plan or gather_plan(page_ids, lengths, q.device)
-    k = k_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # [R, Hkv, maxlen, D]; index_select:
-    v = v_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)   # 3x faster than k_pages[ids] on CPU
+    # [R, Hkv, maxlen, D]; index_select:
+    k = k_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)
+    # 3x faster than k_pages[ids] on CPU
+    v = v_pages.index_select(0, ids).view(R, maxlen, Hkv, D).transpose(1, 2)
     return sdpa(q[:, :, None], k, v, mask, scale)[:, :, 0]
 
 
 def paged_attention_grid(q, k_pages, v_pages, grid, n, scale=None):
-    """The reference's fast path for rows whose n pages each lie on a grid of the pool (grid_of; every
-    row reads its whole list, as a batch that started together does): the same read (Eq. 7 through
-    the pages of Eq. 11), in place through a strided view (grid_view), as Ouro's dense lanes are."""
+    """The reference's fast path for rows whose n pages each lie on a grid of the pool (grid_of;
+    every row reads its whole list, as a batch that started together does): the same read (Eq. 7
+    through the pages of Eq. 11), in place through a strided view (grid_view), as Ouro's dense lanes
+    are."""
     R = q.shape[0]
-    return sdpa(q[:, :, None], grid_view(k_pages, grid, R, n), grid_view(v_pages, grid, R, n), None, scale)[:, :, 0]
+    return sdpa(q[:, :, None], grid_view(k_pages, grid, R, n), grid_view(v_pages, grid, R, n), None,
+                scale)[:, :, 0]
 
 
 def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
@@ -135,7 +143,8 @@ def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
     Hkv, D = k_pages.shape[1:]
     G, maxlen = page_ids.shape if page_ids.dim() == 2 else (1, page_ids.shape[0])
     seen = torch.arange(maxlen, device=q.device) < lengths.to(q.device).max()
-    ids = torch.where(seen, page_ids.to(q.device).long(), 0).reshape(-1)   # entries past every length: never read
+    # entries past every length: never read
+    ids = torch.where(seen, page_ids.to(q.device).long(), 0).reshape(-1)
     k = k_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
     v = v_pages.index_select(0, ids).view(G, maxlen, Hkv, D).transpose(1, 2)
     return chunk_sdpa(q, k, v, lengths, scale)
@@ -144,20 +153,22 @@ def paged_chunk_attention(q, k_pages, v_pages, page_ids, lengths, scale=None):
 def paged_chunk_attention_grid(q, k_pages, v_pages, grid, G, maxlen, lengths, scale=None):
     """paged_chunk_attention's fast path for G chunks whose key lists lie on a grid of the pool
     (grid_of, found once per pass by the engine; every entry a valid page): read in place."""
-    k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)   # [G, Hkv, maxlen, D]
+    # [G, Hkv, maxlen, D]
+    k, v = grid_view(k_pages, grid, G, maxlen), grid_view(v_pages, grid, G, maxlen)
     return chunk_sdpa(q, k, v, lengths, scale)
 
 
 def chunk_sdpa(q, k, v, lengths, scale):
-    """The rows of G chunks (q [G * T, Hq, D], chunk by chunk) over their chunk's keys [G, Hkv, maxlen, D],
-    row t of each the first lengths[t] of them."""
+    """The rows of G chunks (q [G * T, Hq, D], chunk by chunk) over their chunk's keys [G, Hkv,
+    maxlen, D], row t of each the first lengths[t] of them."""
     (G, _, maxlen, _), (Hq, D), T = k.shape, q.shape[1:], lengths.shape[0]
-    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]    # [T, maxlen]
+    # [T, maxlen]
+    valid = torch.arange(maxlen, device=q.device)[None, :] < lengths.to(q.device)[:, None]
     y = sdpa(q.view(G, T, Hq, D).transpose(1, 2), k, v, valid, scale)
     return y.transpose(1, 2).reshape(G * T, Hq, D)                       # [G, Hq, T, D] -> rows
 
 
-# ----------------------------------------------------------------------------- Triton (flash-decoding)
+# -------------------------------------------------------------------------- Triton (flash-decoding)
 
 if triton is not None:
     @triton.jit
@@ -225,7 +236,8 @@ if triton is not None:
         sm, dm = s < S, d < D
         lse = tl.load(LSE + r * s_lr + h * s_lh + s, mask=sm, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))
-        o = tl.load(O + r * s_or + h * s_oh + s[:, None] * s_os + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
+        o = tl.load(O + r * s_or + h * s_oh + s[:, None] * s_os + d[None, :],
+                    mask=sm[:, None] & dm[None, :], other=0.0)
         out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
         tl.store(OUT + r * s_xr + h * s_xh + d, out.to(OUT.dtype.element_ty), mask=dm)
 
@@ -238,18 +250,19 @@ def splits_for(programs, maxlen, block_n, target=264):
     return max(1, min(math.ceil(target / programs), math.ceil(maxlen / (4 * block_n)), 64))
 
 
-def paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale=None, num_splits=None, block_n=32,
-                           poison=False):
+def paged_attention_triton(q, k_pages, v_pages, page_ids, lengths, scale=None, num_splits=None,
+                           block_n=32, poison=False):
     """The Triton implementation of the same read (Eq. 7 through the page lists of Eq. 11),
     flash-decoding style. num_splits: key splits per row (None: splits_for); poison: fill the output
     and the split buffers with NaN first, so that anything left unwritten shows."""
     ids = page_ids.to(device=q.device, dtype=torch.int32).contiguous()
     S = splits_for(q.shape[0] * k_pages.shape[1], ids.shape[1], block_n) if num_splits is None else num_splits
-    return flash_decode(q, k_pages, v_pages, ids, None, None, lengths.to(device=q.device, dtype=torch.int32), S, scale,
-                        block_n, poison)
+    return flash_decode(q, k_pages, v_pages, ids, None, None,
+                        lengths.to(device=q.device, dtype=torch.int32), S, scale, block_n, poison)
 
 
-def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=None, block_n=32, poison=False):
+def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=None, block_n=32,
+                 poison=False):
     """Launch the two kernels: row r reads ids[r] (req None), or the table ids[req[r], depth[r]] (a
     [requests, depths, keys] tensor). The grid is (rows, K/V heads, n_splits): with n_splits fixed,
     a launch reads no value on the host, so that a CUDA graph can hold it."""
@@ -279,20 +292,24 @@ def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=
     table = req is not None
     s_ir, s_id = (ids.stride(0), ids.stride(1)) if table else (ids.stride(0), 0)
     _paged_attention_split[(R, Hkv, n_splits)](
-        q, k_pages, v_pages, ids, req if table else lengths, depth if table else lengths, lengths, o, lse, scale,
-        n_splits, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        s_ir, s_id, *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT=n_splits > 1,
-        IEEE=ieee, TABLE=table)
+        q, k_pages, v_pages, ids, req if table else lengths, depth if table else lengths, lengths,
+        o, lse, scale,
+        n_splits, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
+        v_pages.stride(1),
+        s_ir, s_id, *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
+        SPLIT=n_splits > 1, IEEE=ieee, TABLE=table)
     if n_splits > 1:
         _reduce_splits[(R, Hq)](o, lse, out, n_splits, *so, *sl, out.stride(0), out.stride(1),
-                                D=D, BLOCK_D=BLOCK_D, BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
+                                D=D, BLOCK_D=BLOCK_D,
+                                BLOCK_S=max(2, triton.next_power_of_2(n_splits)))
     return out
 
 
-# ----------------------------------------------------------------------------- reading a page table in place
+# -------------------------------------------------------------------- reading a page table in place
 
 @torch.library.custom_op("looped::flash_decode_table", mutates_args=())
-def flash_decode_table(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+def flash_decode_table(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                       table: torch.Tensor,
                        req: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
     """flash_decode reading the page table in place, as an operator that torch.compile places inside
     the graph it compiles (one launch, or two with key splits) instead of breaking the graph around
@@ -305,17 +322,19 @@ def _(q, k_pages, v_pages, table, req, depth, lengths, n_splits):
     return torch.empty_like(q)
 
 
-def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl="torch", n_keys=None, n_splits=1):
-    """Row r reads the first lengths[r] entries of table[req[r], depth[r]]: its request's column at its
-    depth (Eq. 7 through Eq. 11), straight from the page table, with no value read on the host (the
-    slot engine's pass, slot_pass.py). table [requests, depths, keys] int64.
-    torch: gathers the first n_keys entries of every row (n_keys >= the longest row) and masks the
-    rest: paged_attention_torch's read. triton: flash_decode with a fixed grid of n_splits."""
+def paged_attention_table(q, k_pages, v_pages, table, req, depth, lengths, impl="torch",
+                          n_keys=None, n_splits=1):
+    """Row r reads the first lengths[r] entries of table[req[r], depth[r]]: its request's column at
+    its depth (Eq. 7 through Eq. 11), straight from the page table, with no value read on the host
+    (the slot engine's pass, slot_pass.py). table [requests, depths, keys] int64. torch: gathers the
+    first n_keys entries of every row (n_keys >= the longest row) and masks the rest:
+    paged_attention_torch's read. triton: flash_decode with a fixed grid of n_splits."""
     if impl == "triton":
         return flash_decode_table(q, k_pages, v_pages, table, req, depth, lengths, n_splits)
     ids = table[req, depth, :n_keys]                                               # [R, n_keys]
     valid = torch.arange(ids.shape[1], device=q.device)[None, :] < lengths[:, None]
-    plan = torch.where(valid, ids, 0).reshape(-1), valid[:, None, None, :], None   # gather_plan's, with a mask always
+    # gather_plan's, with a mask always
+    plan = torch.where(valid, ids, 0).reshape(-1), valid[:, None, None, :], None
     return paged_attention_torch(q, k_pages, v_pages, ids, lengths, None, plan)
 
 
@@ -325,16 +344,17 @@ _flex = None
 
 
 def paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale=None):
-    """FlexAttention over the pool: query r may read page p iff p is in r's list (within its length).
-    A row's list never holds a page twice (one page per position at a given depth), so attention
-    over the set equals attention over the list."""
+    """FlexAttention over the pool: query r may read page p iff p is in r's list (within its
+    length). A row's list never holds a page twice (one page per position at a given depth), so
+    attention over the set equals attention over the list."""
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=False)
     R, Hq, D = q.shape
     P = k_pages.shape[0]
-    Rp = max(16, 1 << (R - 1).bit_length())      # rows padded to a power of two: a handful of compiled shapes
+    # rows padded to a power of two: a handful of compiled shapes
+    Rp = max(16, 1 << (R - 1).bit_length())
     valid = torch.arange(page_ids.shape[1], device=q.device)[None, :] < lengths.to(q.device)[:, None]
     rows = torch.arange(R, device=q.device)[:, None].expand_as(valid)
     member = torch.zeros(Rp, P, dtype=torch.bool, device=q.device)     # padding rows read nothing
@@ -345,8 +365,9 @@ def paged_attention_flex(q, k_pages, v_pages, page_ids, lengths, scale=None):
     def may_read(b, h, q_idx, kv_idx):
         return member[q_idx, kv_idx]
     block_mask = create_block_mask(may_read, None, None, Rp, P, device=q.device)
-    y = _flex(qp.transpose(0, 1)[None], k_pages.transpose(0, 1)[None], v_pages.transpose(0, 1)[None],
-              block_mask=block_mask, scale=scale, enable_gqa=Hq != k_pages.shape[1])
+    y = _flex(qp.transpose(0, 1)[None], k_pages.transpose(0, 1)[None],
+              v_pages.transpose(0, 1)[None], block_mask=block_mask, scale=scale,
+              enable_gqa=Hq != k_pages.shape[1])
     return y[0].transpose(0, 1)[:R]
 
 
@@ -361,8 +382,8 @@ def resolve_impl(impl, device):
         if triton is None:
             raise ValueError("--attn=triton needs the optional triton package (pip install triton)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"--attn=triton runs on CUDA devices (the model is on {device}); on the CPU only "
-                             "under TRITON_INTERPRET=1, in float32")
+            raise ValueError(f"--attn=triton runs on CUDA devices (the model is on {device}); on "
+                             "the CPU only under TRITON_INTERPRET=1, in float32")
     if impl not in IMPLS:
         raise ValueError(f"--attn={impl!r}; allowed: {', '.join(IMPLS)}")
     return impl

@@ -20,7 +20,8 @@ def draw_starts(data, c, n, generator):
 
 
 def windows(data, starts, T, offset=0):
-    return torch.stack([torch.from_numpy(data[i + offset:i + offset + T].astype(np.int64)) for i in starts])
+    return torch.stack([torch.from_numpy(data[i + offset:i + offset + T].astype(np.int64))
+                        for i in starts])
 
 
 def get_batch(data, c, starts, device):
@@ -46,8 +47,8 @@ def chunks(ids):
 
 
 def unigram_loss(train, val, vocab_size):
-    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat. The
-    splits are read in chunks, so that memory does not grow with the data."""
+    """Cross-entropy of the train-set unigram distribution (add-one) on val: the baseline to beat.
+    The splits are read in chunks, so that memory does not grow with the data."""
     counts = np.ones(vocab_size, dtype=np.float64)
     for part in chunks(train):
         counts += np.bincount(part, minlength=vocab_size)
@@ -143,7 +144,8 @@ def by_difficulty(exits, diffs, spans, thrs):
     the first τ, and Spearman's ρ (tokens) or the mean depth per label (items) at every τ."""
     flat = {t: ev.reshape(-1).numpy() for t, ev in exits.items()}
     r = lambda v: round(float(v), 5)
-    mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None) for k in ks}
+    mean_by = lambda ev, d, ks: {str(k): (r(ev[d == k].mean()) if (d == k).any() else None)
+                                 for k in ks}
     out = {}
     if diffs:
         d = torch.cat(diffs).reshape(-1).numpy()

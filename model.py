@@ -31,8 +31,8 @@ def at_least_fp32(dtype):
 def token_ce(logits, targets):
     """Per-token next-token cross-entropy in >= fp32; 0 where the target is -1."""
     logits = logits.to(at_least_fp32(logits.dtype))
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                           reduction="none")
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=-1, reduction="none")
     return loss.view(targets.shape)
 
 
@@ -48,7 +48,8 @@ class GPTConfig:
     n_loops: int = 4             # U: how many times the block is applied
     rope_theta: float = 1e6
     norm_eps: float = 1e-6
-    loop_norm: bool = False      # pass norm(h) to the next loop (Ouro: True; our default, App. B: False)
+    # pass norm(h) to the next loop (Ouro: True; our default, App. B: False)
+    loop_norm: bool = False
     branch_norm_init: float = 0.02  # initial gain of the in-branch norms (*_2), App. B
 
     @property
@@ -57,7 +58,8 @@ class GPTConfig:
 
     def check(self):
         """Shapes that must fit together; each message names the keys (train.py's flags)."""
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops"):
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                    "ffn_hidden", "n_loops"):
             if getattr(self, key) < 1:
                 raise UserError(f"--{key}={getattr(self, key)}: must be >= 1")
         if self.n_embd % self.n_head:
@@ -65,8 +67,8 @@ class GPTConfig:
         if self.n_head % self.n_kv_head:
             raise UserError(f"--n_kv_head={self.n_kv_head}: must divide --n_head={self.n_head}")
         if self.head_dim % 2:
-            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} must be even "
-                            "for RoPE")
+            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} "
+                            "must be even for RoPE")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -87,7 +89,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
     """cos/sin tables for the given (any-shaped) integer positions; trailing dim = head_dim."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                            device=positions.device) / head_dim)
     ang = positions.to(torch.float64)[..., None] * inv_freq
     ang = torch.cat([ang, ang], dim=-1)  # NeoX layout: the two halves share frequencies
     return ang.cos().to(dtype), ang.sin().to(dtype)
@@ -102,8 +105,8 @@ def apply_rope(x, cos, sin):
 
 
 def attention(q, k, v, mask=None):
-    """Scaled dot-product attention, causal unless a mask is given. q (B, Hq, T, D); k, v (B, Hkv, S, D):
-    with grouped-query attention each K/V head serves Hq/Hkv query heads."""
+    """Scaled dot-product attention, causal unless a mask is given. q (B, Hq, T, D); k, v (B, Hkv,
+    S, D): with grouped-query attention each K/V head serves Hq/Hkv query heads."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -135,7 +138,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
-        self.register_buffer("qkv_weight", None, persistent=False)     # q, k, v stacked (fuse), else None
+        # q, k, v stacked (fuse), else None
+        self.register_buffer("qkv_weight", None, persistent=False)
 
     def fuse(self):
         self.qkv_weight = stack_weights(self.q_proj, self.k_proj, self.v_proj)
@@ -144,10 +148,12 @@ class Attention(nn.Module):
         """Queries, keys and values (B, heads, T, D), queries and keys rotated (RoPE): one GEMM when
         fused, else three."""
         B, T, _ = x.shape
-        if self.qkv_weight is None or torch.is_grad_enabled():    # autograd reaches the parameters, not the stack
+        # autograd reaches the parameters, not the stack
+        if self.qkv_weight is None or torch.is_grad_enabled():
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
-            q, k, v = F.linear(x, self.qkv_weight).split([self.q_proj.out_features, self.k_proj.out_features,
+            q, k, v = F.linear(x, self.qkv_weight).split([self.q_proj.out_features,
+                                                          self.k_proj.out_features,
                                                           self.v_proj.out_features], -1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -166,7 +172,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
-        self.register_buffer("gate_up_weight", None, persistent=False)   # gate, up stacked (fuse), else None
+        # gate, up stacked (fuse), else None
+        self.register_buffer("gate_up_weight", None, persistent=False)
 
     def fuse(self):
         self.gate_up_weight = stack_weights(self.gate_proj, self.up_proj)
@@ -232,9 +239,10 @@ class LoopedLM(nn.Module):
     def fuse_projections(self):
         """Four GEMMs a layer instead of seven: q/k/v as one projection and gate/up as one
         (stack_weights), for the graphed engine (slot_engine.py), which calls it when it starts
-        (idempotent), where a layer's launches are its cost. The eager engine leaves them apart: on a
-        CPU one wide GEMM is slower than three narrow ones at 4-8 rows (docs/benchmarks.md). Call it
-        after moving the model (.to() would copy the stacked weights apart from the parameters)."""
+        (idempotent), where a layer's launches are its cost. The eager engine leaves them apart: on
+        a CPU one wide GEMM is slower than three narrow ones at 4-8 rows (docs/benchmarks.md). Call
+        it after moving the model (.to() would copy the stacked weights apart from the
+        parameters)."""
         for layer in self.layers:
             if layer.self_attn.qkv_weight is None:
                 layer.self_attn.fuse()
@@ -294,7 +302,8 @@ class LoopedLM(nn.Module):
         for _ in range(self.config.n_loops):
             h_in, h = h, self.block(h, cos, sin)
             if loop_shift:
-                d, h0 = (h - h_in).to(at_least_fp32(h.dtype)), h_in.to(at_least_fp32(h.dtype))   # never in bf16
+                # never in bf16
+                d, h0 = (h - h_in).to(at_least_fp32(h.dtype)), h_in.to(at_least_fp32(h.dtype))
                 shifts.append(d.norm(dim=-1) / h0.norm(dim=-1).clamp_min(1e-12))
             hn, gate, h = self.exit_heads(h)
             gates.append(gate)
@@ -398,23 +407,28 @@ def forward_lanes(model, idx, cache, pos, n_run):
 
 def check_prompt(cfg, ids, max_new_tokens):
     """The one check of a prompt and its budget, for every entry point (generate, the engine, and so
-    sample.py, lab/eval.py and the server): a non-empty list of token ids inside the vocabulary, with
-    room in the context for max_new_tokens more. UserError names the field: prompt or max_tokens."""
+    sample.py, lab/eval.py and the server): a non-empty list of token ids inside the vocabulary,
+    with room in the context for max_new_tokens more. UserError names the field: prompt or
+    max_tokens."""
     if not isinstance(ids, list) or not ids:
         raise UserError("prompt: the prompt is empty; give a non-empty list of token ids", "prompt")
-    bad = [t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size)]
+    bad = [t for t in ids
+           if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size)]
     if bad:
-        raise UserError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})", "prompt")
+        raise UserError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, "
+                        f"{cfg.vocab_size})", "prompt")
     if len(ids) >= cfg.block_size:
-        raise UserError(f"prompt of {len(ids)} tokens: the context length is block_size={cfg.block_size}; give "
+        raise UserError(f"prompt of {len(ids)} tokens: the context length is "
+                        f"block_size={cfg.block_size}; give "
                         f"at most {cfg.block_size - 1} tokens", "prompt")
     if len(ids) + max_new_tokens > cfg.block_size:
-        raise UserError(f"prompt of {len(ids)} tokens + max_tokens={max_new_tokens} exceeds the context length "
-                        f"block_size={cfg.block_size}", "max_tokens")
+        raise UserError(f"prompt of {len(ids)} tokens + max_tokens={max_new_tokens} exceeds the "
+                        f"context length block_size={cfg.block_size}", "max_tokens")
 
 
 @torch.inference_mode()
-def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None, naive=False):
+def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None,
+             naive=False):
     """Generate on Ouro's dense per-depth lanes (Eq. 5-6): the layout of Ouro's own code and the
     baseline of every benchmark.
 
@@ -450,7 +464,7 @@ def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampl
     return new, exits
 
 
-# ----------------------------------------------------------------------------- Ragged KV (§3, Eq. 7)
+# ---------------------------------------------------------------------------- Ragged KV (§3, Eq. 7)
 
 FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (exit at the last)
 
@@ -480,8 +494,8 @@ class RaggedReads:
         return k, v, torch.ones(T, T, dtype=torch.bool, device=k.device).tril()
 
 
-def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None, n_run=None,
-                   history=None):
+def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None,
+                   n_run=None, history=None):
     """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but a token that
     stopped keeps its hidden state, and later tokens read its K/V at min(d, e_j) (RaggedReads). The
     oracle of the paged engine, and the forward of ragged-aware training.
@@ -502,7 +516,8 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     full = torch.zeros(B, T, dtype=torch.bool, device=dev) if full is None else full
     survive = torch.ones(B, T, dtype=pdt, device=dev)
     decided = torch.zeros(B, T, dtype=torch.long, device=dev)     # e_i once decided (0: not yet)
-    last = torch.full((B, T), U, dtype=torch.long, device=dev)    # the last depth token j runs (U while running)
+    # the last depth token j runs (U while running)
+    last = torch.full((B, T), U, dtype=torch.long, device=dev)
     states = torch.zeros_like(h)
     gates, kv = [], RaggedReads(model.config.n_layer, history)
     for d in range(1, U + 1):
@@ -511,7 +526,8 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
         gates.append(gate)
         if exits is not None:
             now = exits == d
-        elif uniforms is not None:                                  # §5: exit at d with probability λ_d
+        elif uniforms is not None:
+            # §5: exit at d with probability λ_d
             now = uniforms[..., d - 1] < torch.sigmoid(gate.detach().to(uniforms.dtype))
         else:
             survive, now = exit_now(survive, gate.detach(), taus)   # Eq. 4, online
@@ -535,9 +551,10 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
 # ----------------------------------------------------------------------------- exit statistics
 
 def exit_stats(exits, U):
-    """The paper's exit metrics (§6) of a sequence of exit depths (1-based): the fraction at each depth,
-    the jump rates J_k = P(|e_i - e_{i-1}| = k) for k = 0..U-1, and the large-jump rate Σ_{k>=2} J_k.
-    exits: a list, or a tensor whose last dim is the position (jumps are taken within each row)."""
+    """The paper's exit metrics (§6) of a sequence of exit depths (1-based): the fraction at each
+    depth, the jump rates J_k = P(|e_i - e_{i-1}| = k) for k = 0..U-1, and the large-jump rate
+    Σ_{k>=2} J_k. exits: a list, or a tensor whose last dim is the position (jumps are taken within
+    each row)."""
     e = torch.as_tensor(exits, dtype=torch.long)
     jumps = (e[..., 1:] - e[..., :-1]).abs()
     fr = [float((e == d).double().mean()) if e.numel() else 0.0 for d in range(1, U + 1)]

@@ -21,9 +21,12 @@ from request import SEED_MAX
 
 class Rule(NamedTuple):
     """How one kind of token (a prompt's or a decoded one) runs in a mode."""
-    exit: str             # "never": to the last depth; "thr": the request's τ; "prefill": the ETE options (App. E.2)
-    run_full: bool        # keep running to the last depth after the exit is decided (Ouro's lanes, every depth filled)
-    keep: Optional[str]   # the one depth every later read keeps (Table 17: "last" = U, "exit" = e_i); None: Eq. 7
+    # "never": to the last depth; "thr": the request's τ; "prefill": the ETE options (App. E.2)
+    exit: str
+    # keep running to the last depth after the exit is decided (Ouro's lanes, every depth filled)
+    run_full: bool
+    # the one depth every later read keeps (Table 17: "last" = U, "exit" = e_i); None: Eq. 7
+    keep: Optional[str]
 
 
 class Mode(NamedTuple):
@@ -55,7 +58,7 @@ def prompt_thresholds(n, thr, prefill_thr=None, prefill_schedule="", prefix_full
     return taus
 
 
-# ----------------------------------------------------------------------------- requests against the modes
+# ----------------------------------------------------------------------- requests against the modes
 
 def n_run(r, U):
     """The depths a request's tokens may run: U, or its own depth in fixed mode."""
@@ -76,8 +79,9 @@ def max_pages(r, U):
 
 def need(r, U):
     """A request's whole need of pages, both bounds, in words (every refusal and every cut says it)."""
-    return (f"at least {min_pages(r, U)} KV pages and at worst {max_pages(r, U)} (prompt of {len(r.prompt)} tokens in "
-            f"mode {r.mode}, {r.max_tokens} new tokens; at worst every position at every depth)")
+    return (f"at least {min_pages(r, U)} KV pages and at worst {max_pages(r, U)} (prompt of "
+            f"{len(r.prompt)} tokens in mode {r.mode}, {r.max_tokens} new tokens; at worst every "
+            "position at every depth)")
 
 
 def check_request(r, cfg, n_pages):
@@ -86,7 +90,8 @@ def check_request(r, cfg, n_pages):
     any thread may call it."""
     U = cfg.n_loops
     whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
-    num = lambda v: whole(v) or (isinstance(v, float) and math.isfinite(v))      # no NaN, no infinity
+    # no NaN, no infinity
+    num = lambda v: whole(v) or (isinstance(v, float) and math.isfinite(v))
     if not isinstance(r.mode, str) or r.mode not in MODES:
         raise UserError(f"mode={r.mode!r}; allowed: {', '.join(MODES)}", "mode")
     for key, ok, allowed in [
@@ -95,17 +100,18 @@ def check_request(r, cfg, n_pages):
             ("temperature", num(r.temperature) and 0 <= r.temperature <= 2, "a number in [0, 2]"),
             ("top_p", num(r.top_p) and 0 < r.top_p <= 1, "a number in (0, 1]"),
             ("top_k", whole(r.top_k) and r.top_k >= 0, "an integer >= 0"),
-            ("depth", whole(r.depth) and 0 <= r.depth <= U, f"an integer in 0..{U} (0: all {U} loops)"),
+            ("depth", whole(r.depth) and 0 <= r.depth <= U,
+             f"an integer in 0..{U} (0: all {U} loops)"),
             ("seed", whole(r.seed) and 0 <= r.seed <= SEED_MAX, "an integer in [0, 2**64 - 1]"),
             ("prefix_full", whole(r.prefix_full) and r.prefix_full >= 0, "an integer >= 0"),
             ("prefill_schedule", r.prefill_schedule in ("", "cosine"), "'' or 'cosine'"),
-            ("prefill_thr", r.prefill_thr is None or (num(r.prefill_thr) and 0 <= r.prefill_thr <= 1),
-             "a number in [0, 1]")]:
+            ("prefill_thr", r.prefill_thr is None
+             or (num(r.prefill_thr) and 0 <= r.prefill_thr <= 1), "a number in [0, 1]")]:
         if not ok:
             raise UserError(f"{key}={getattr(r, key)!r}: must be {allowed}", key)
     if (r.prefill_thr is not None or r.prefill_schedule or r.prefix_full) and MODES[r.mode].prompt.exit != "prefill":
-        raise UserError(f"prefill_thr/prefill_schedule/prefix_full shape a ragged prefill; mode={r.mode} has none",
-                        "mode")
+        raise UserError("prefill_thr/prefill_schedule/prefix_full shape a ragged prefill; "
+                        f"mode={r.mode} has none", "mode")
     check_prompt(cfg, r.prompt, r.max_tokens)
     if min_pages(r, U) > n_pages:
         raise UserError(f"the request needs {need(r, U)}, but the pool has {n_pages}")
@@ -120,10 +126,10 @@ def as_fixed(r, U):
 
 
 def position_rules(r, start, end):
-    """How the rows of positions start..end-1 of request r run, by its mode (MODES, §3): per position
-    the threshold τ (Eq. 4; App. E.2 for an ETE prefill), whether it runs on to its last depth after
-    its exit (full), the exit it replays after a preemption (forced; 0: decide) and the Table 17
-    depth it keeps."""
+    """How the rows of positions start..end-1 of request r run, by its mode (MODES, §3): per
+    position the threshold τ (Eq. 4; App. E.2 for an ETE prefill), whether it runs on to its last
+    depth after its exit (full), the exit it replays after a preemption (forced; 0: decide) and the
+    Table 17 depth it keeps."""
     n = len(r.prompt)
     taus, full, forced, keep = [], [], [], []
     ptaus = None
@@ -131,7 +137,8 @@ def position_rules(r, start, end):
         kind, run_full, keep_rule = MODES[r.mode].prompt if p < n else MODES[r.mode].decode
         if kind == "prefill":
             if ptaus is None:
-                ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule, r.prefix_full).tolist()
+                ptaus = prompt_thresholds(n, r.thr, r.prefill_thr, r.prefill_schedule,
+                                          r.prefix_full).tolist()
             tau = ptaus[p]
         else:
             tau = FULL if kind == "never" else r.thr
@@ -153,7 +160,7 @@ def keeps_one_depth(r):
     return MODES[r.mode].prompt.keep is not None or MODES[r.mode].decode.keep is not None
 
 
-# ----------------------------------------------------------------------------- teacher-forced scores
+# ---------------------------------------------------------------------------- teacher-forced scores
 
 SCORED = ["fixed", "ouro", "dense_ragged", "ete_ragged"]   # the MODES with a teacher-forced score (not Table 17's)
 
@@ -170,7 +177,8 @@ def continuation_logprobs(model, pairs, mode, thr, depth, batch_size, device):
     order = sorted(range(len(pairs)), key=lambda i: len(pairs[i][0]) + len(pairs[i][1]))
     for b in range(0, len(order), batch_size):
         idx = order[b:b + batch_size]
-        seqs = [(pairs[i][0] + pairs[i][1])[-(T_max + 1):] for i in idx]          # keep the end of long contexts
+        # keep the end of long contexts
+        seqs = [(pairs[i][0] + pairs[i][1])[-(T_max + 1):] for i in idx]
         T = max(len(s) for s in seqs) - 1
         x = torch.zeros(len(seqs), T, dtype=torch.long)
         for r, s in enumerate(seqs):
@@ -193,7 +201,8 @@ def continuation_logprobs(model, pairs, mode, thr, depth, batch_size, device):
         for r, i in enumerate(idx):
             n_cont = len(pairs[i][1])
             s = seqs[r]
-            pos = torch.arange(len(s) - 1 - n_cont, len(s) - 1)             # positions predicting the continuation
+            # positions predicting the continuation
+            pos = torch.arange(len(s) - 1 - n_cont, len(s) - 1)
             tgt = torch.tensor(s[-n_cont:])
             lp = logp[r, pos, tgt]
             greedy = bool((logp[r, pos].argmax(-1) == tgt).all())

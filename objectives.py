@@ -24,11 +24,14 @@ from model import exit_log_pdf, exit_pdf, forward_ragged
 class Objective:
     """Which loss the optimizer steps minimise (train.py's flags of the same names)."""
     global_kl: bool = False      # False: local KL per token (Eq. 9, Ouro); True: global KL (Eq. 10)
-    kl_scope: str = "step"       # global KL: π̄ over every token of the optimizer step, or over each micro-batch
+    # global KL: π̄ over every token of the optimizer step, or over each micro-batch
+    kl_scope: str = "step"
     ragged_aware: bool = False   # alternate dense steps with ragged steps (Eq. 16)
-    ra_method: str = "direct"    # direct (Eq. 15), counterfactual (Eq. 17-18) or reinforce (Eq. 19-22)
+    # direct (Eq. 15), counterfactual (Eq. 17-18) or reinforce (Eq. 19-22)
+    ra_method: str = "direct"
     cf_thr: float = 0.5          # threshold of the committed rollout in counterfactual steps
-    reinforce_k: int = 1         # trajectories per step: 1 (baseline: dense final-depth path) or 4 (leave-one-out)
+    # trajectories per step: 1 (baseline: dense final-depth path) or 4 (leave-one-out)
+    reinforce_k: int = 1
     w_rag: float = 1.0           # weight of the ragged terms in the REINFORCE loss (Eq. 22)
     alpha: float = 0.01          # weight of the score term (Eq. 22)
 
@@ -85,8 +88,8 @@ def dense_loss(losses, gate_logits, prior, global_kl, beta, valid=None, pi_bar=N
         reg = kl_global(pi, prior)
     else:
         # Eq. 10 over the step: π̄ mixes every micro-batch, so this batch's share of the gradient is
-        # ∂KL(π̄‖p)/∂π̄ = log π̄ - log p + 1 applied to the mean π of its own tokens (the caller divides
-        # by the number of micro-batches); the value is the step's KL.
+        # ∂KL(π̄‖p)/∂π̄ = log π̄ - log p + 1 applied to the mean π of its own tokens (the caller
+        # divides by the number of micro-batches); the value is the step's KL.
         grad = torch.log(pi_bar.clamp_min(torch.finfo(pi.dtype).tiny)) - torch.log(prior.to(pi)) + 1
         lin = (pi.mean(0) * grad.detach()).sum()
         reg = kl(pi_bar.detach(), prior.to(pi)) + lin - lin.detach()
@@ -99,14 +102,15 @@ def beta_schedule(frac, beta=None):
     if beta is not None:
         return float(beta)
     frac = min(max(frac, 0.0), 1.0)
-    for start, end, b0, b1 in [(0.0, 0.25, 0.0, 0.01), (0.25, 0.5, 0.01, 0.02), (0.5, 1.0, 0.02, 0.05)]:
+    for start, end, b0, b1 in [(0.0, 0.25, 0.0, 0.01), (0.25, 0.5, 0.01, 0.02),
+                               (0.5, 1.0, 0.02, 0.05)]:
         if frac <= end:
             t = (frac - start) / (end - start)
             return b0 + (b1 - b0) * (1 - math.cos(math.pi * t)) / 2
     return 0.05
 
 
-# ----------------------------------------------------------------------------- ragged-aware objectives (App. C)
+# ----------------------------------------------------------------- ragged-aware objectives (App. C)
 
 def step_kind(step, obj):
     """Which objective optimizer step `step` runs (Eq. 16: even steps the dense loss of Eq. 14, odd
@@ -183,8 +187,8 @@ def reinforce_loss(model, x, y, prior, obj, beta, uniforms, pi_bar=None):
     """Eq. 22: L_dense + w_rag (L_direct + α L_score) over K sampled Ragged-KV trajectories, with
     L_direct of Eq. 19, the suffix returns and advantages of Eq. 20 and the score term of Eq. 21."""
     out = model(x, y)
-    loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, obj.global_kl, beta,
-                                         pi_bar=pi_bar)
+    loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior,
+                                         obj.global_kl, beta, pi_bar=pi_bar)
     mask = (y != -1).to(out["losses"].dtype)
     N = mask.sum().clamp(min=1)
     tok, rho = [], []
@@ -197,7 +201,8 @@ def reinforce_loss(model, x, y, prior, obj, beta, uniforms, pi_bar=None):
     K = len(uniforms)
     direct = (tok * mask).sum() / (K * N)                                        # Eq. 19
     A = reinforce_advantages(suffix_returns(tok.detach(), mask), out["losses"][..., -1], mask)
-    score = (rho * A.detach() * mask).sum() / (K * N)                            # Eq. 21 (a_i = m_i here)
+    # Eq. 21 (a_i = m_i here)
+    score = (rho * A.detach() * mask).sum() / (K * N)
     total = loss + obj.w_rag * (direct + obj.alpha * score)
     return total, {"expected_ce": expected.item(), "reg": reg.item(), "rag_ce": direct.item(),
                    "score": score.item()}, pi
@@ -210,17 +215,19 @@ def objective(model, x, y, step, prior, obj, beta, uniforms, pi_bar=None):
     kind = step_kind(step, obj)
     if kind == "dense":                                                          # Eq. 9/10/14
         out = model(x, y)
-        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, obj.global_kl, beta,
-                                             pi_bar=pi_bar)
+        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior,
+                                             obj.global_kl, beta, pi_bar=pi_bar)
         return loss, {"expected_ce": expected.item(), "reg": reg.item()}, pi
-    if kind == "ragged":                                                         # Eq. 15, no KL term
+    # Eq. 15, no KL term
+    if kind == "ragged":
         out = forward_ragged(model, x, y, uniforms=uniforms[0])
-        parts = {"rag_ce": out["loss"].item(), "avg_sampled_depth": out["exits"].float().mean().item()}
+        parts = {"rag_ce": out["loss"].item(),
+                 "avg_sampled_depth": out["exits"].float().mean().item()}
         return out["loss"], parts, None
     if kind == "counterfactual":                                                 # Eq. 18
         out = forward_counterfactual(model, x, y, obj.cf_thr)
-        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior, obj.global_kl, beta,
-                                             pi_bar=pi_bar)
+        loss, expected, reg, pi = dense_loss(out["losses"], out["gate_logits"], prior,
+                                             obj.global_kl, beta, pi_bar=pi_bar)
         return loss, {"cf_ce": expected.item(), "reg": reg.item()}, pi
     return reinforce_loss(model, x, y, prior, obj, beta, uniforms, pi_bar)
 
@@ -232,7 +239,8 @@ def step_mean_pi(model, batches, kind, obj, world):
     linear in π̄, so every micro-batch needs the step's π̄ before its own backward pass."""
     total = 0
     for x, y, _ in batches:
-        g = (forward_counterfactual(model, x, y, obj.cf_thr) if kind == "counterfactual" else model(x))["gate_logits"]
+        g = (forward_counterfactual(model, x, y, obj.cf_thr) if kind == "counterfactual"
+             else model(x))["gate_logits"]
         pi = exit_pdf(g).reshape(-1, g.shape[-1])
         total = total + torch.cat([pi.sum(0), pi.new_tensor([pi.shape[0]])])
     if world > 1:
@@ -252,7 +260,8 @@ def train_step(model, batches, step, prior, obj, beta, ctx, n_micro, world):
         with ctx:
             pi_bar = step_mean_pi(model, batches, kind, obj, world)
     params = [p for p in model.parameters() if p.requires_grad]
-    stats = 0                                                    # [loss sum, Σ_i π_i (U values), token count]
+    # [loss sum, Σ_i π_i (U values), token count]
+    stats = 0
     parts = {}
     for x, y, u in batches:
         with ctx:

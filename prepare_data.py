@@ -55,13 +55,14 @@ from configurator import SEED_RULE, UserError, check_writable, parse, run_cli
 from tokenizer import char_meta, gpt2_encoding, load_tokenizer, pieces_meta
 
 
-# ----------------------------------------------------------------------------- the synthetic items (known difficulty)
+# ----------------------------------------------------------- the synthetic items (known difficulty)
 
 SYNTH_CHARS = "\n .:;=?+abcdefghijklmnopqrstuvwxyz0123456789"
 POINTER_CHARS = SYNTH_CHARS + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"   # names in capitals where they are defined
 HOP_NAMES = "abcdefghijklmnop"                                # 16: four chains of up to four names
+# and one per fact
 HOP_PIECES = (["\n", ";"] + [" " + name.upper() for name in HOP_NAMES] + list("0123456789")   # queries, answers,
-              + [name + value + " " for name in HOP_NAMES for value in HOP_NAMES + "0123456789"])   # and one per fact
+              + [name + value + " " for name in HOP_NAMES for value in HOP_NAMES + "0123456789"])
 
 WORDS = dict(
     det=["the", "a", "my", "one"],
@@ -103,17 +104,18 @@ def _chains(rng, lengths, alphabet, rounds=False):
     """Chains of the given lengths (head -> ... -> the name that holds a digit) and their facts
     [(name, value)] in the order written, every fact naming a variable defined *later*, so that a
     look-up cannot start before the query is read. rounds=False: all the pointers first, the chains
-    interleaved, each head first, then every chain's digit in a random order (the answer's place among
-    the digits says nothing); with chains of one length (pointer, hops) nothing but following the
-    queried one tells its digit from the others'. rounds=True (graded, chains of different lengths):
-    in rounds, the r-th fact of every chain that has one, in a random order within each round, so that
-    where a fact stands says no more about its chain's length than the look-ups that led to it (a
-    head, written first among its chain's facts, would otherwise stand earlier the longer its chain:
-    tests/test_eval.py checks it). Returns chains, digits, facts."""
+    interleaved, each head first, then every chain's digit in a random order (the answer's place
+    among the digits says nothing); with chains of one length (pointer, hops) nothing but following
+    the queried one tells its digit from the others'. rounds=True (graded, chains of different
+    lengths): in rounds, the r-th fact of every chain that has one, in a random order within each
+    round, so that where a fact stands says no more about its chain's length than the look-ups that
+    led to it (a head, written first among its chain's facts, would otherwise stand earlier the
+    longer its chain: tests/test_eval.py checks it). Returns chains, digits, facts."""
     names = iter(rng.sample(alphabet, sum(lengths)))
     chains = [[next(names) for _ in range(k)] for k in lengths]
     digits = [rng.choice("0123456789") for _ in chains]
-    facts = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] + [(vs[-1], d)] for vs, d in zip(chains, digits)]
+    facts = [[(vs[i], vs[i + 1]) for i in range(len(vs) - 1)] + [(vs[-1], d)]
+             for vs, d in zip(chains, digits)]
     if rounds:
         written = []
         for r in range(max(lengths)):
@@ -144,12 +146,13 @@ def _pointer(rng, max_k=4):
 
 
 def _hops(rng, max_k=4):
-    """The pointer items with one token per fact (`dc ` is one token of the `hops` vocabulary, HOP_PIECES):
-    a look-up is then one attention match, the query's name against a fact's, whose value can carry
-    what it holds, so that k look-ups are k attention reads in a row and no induction circuit has to
-    be learned first. Four chains of length k (_chains) over 16 names, then a query of every chain
-    in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the first answer is labelled k: a
-    later one may be told by elimination (the last is the digit no earlier answer took)."""
+    """The pointer items with one token per fact (`dc ` is one token of the `hops` vocabulary,
+    HOP_PIECES): a look-up is then one attention match, the query's name against a fact's, whose
+    value can carry what it holds, so that k look-ups are k attention reads in a row and no
+    induction circuit has to be learned first. Four chains of length k (_chains) over 16 names, then
+    a query of every chain in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the
+    first answer is labelled k: a later one may be told by elimination (the last is the digit no
+    earlier answer took)."""
     k, n = rng.randint(1, max_k), 4
     chains, digits, facts = _chains(rng, [k] * n, HOP_NAMES)
     item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
@@ -159,14 +162,14 @@ def _hops(rng, max_k=4):
 
 
 def _graded(rng, max_k=4):
-    """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of an
-    item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the same
-    kinds, written in rounds (_chains): first every chain's head, then every second fact, and so on
-    (`hn m5 ae pg nl ei d8 ld i3 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Two queries of
-    different chains, each labelled with its chain's length. A query's k is known only by following
-    its chain: its head stands among the others' at a place that says nothing of k, and each step
-    tells only whether the chain has ended. Two queries of four chains, so that no answer can be told
-    by elimination."""
+    """Hidden, graded difficulty: the hops items' facts (one token a fact), but the four chains of
+    an item have the lengths 1..max_k (cycled: 1, 2, 3, 4), so every item has the same facts of the
+    same kinds, written in rounds (_chains): first every chain's head, then every second fact, and
+    so on (`hn m5 ae pg nl ei d8 ld i3 g9 ; M5 A3`: M holds 5, k = 1; A -> e -> i -> 3, k = 3). Two
+    queries of different chains, each labelled with its chain's length. A query's k is known only by
+    following its chain: its head stands among the others' at a place that says nothing of k, and
+    each step tells only whether the chain has ended. Two queries of four chains, so that no answer
+    can be told by elimination."""
     lengths = [1 + i % max_k for i in range(4)]
     chains, digits, facts = _chains(rng, lengths, HOP_NAMES, rounds=True)
     item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
@@ -177,12 +180,12 @@ def _graded(rng, max_k=4):
 
 def _graded_multi(rng, max_k=4):
     """The graded items with every chain queried, and answered in one answer of several tokens (the
-    decode regime of Fig. 1 on a look-up task): the graded facts (chains of lengths 1..max_k, cycled,
-    written in rounds), then after `;` the four heads in a random order and `;`, then the four digits
-    in that order, each labelled with its chain's length (`... ; M A E H;5372`: M: k = 1, A: k = 3).
-    Answer j stands five tokens after its query, so that finding which chain it answers is one
-    attention read at a fixed offset; its digit takes the chain's look-ups. Every item holds every k,
-    in an order that says nothing of them."""
+    decode regime of Fig. 1 on a look-up task): the graded facts (chains of lengths 1..max_k,
+    cycled, written in rounds), then after `;` the four heads in a random order and `;`, then the
+    four digits in that order, each labelled with its chain's length (`... ; M A E H;5372`: M: k =
+    1, A: k = 3). Answer j stands five tokens after its query, so that finding which chain it
+    answers is one attention read at a fixed offset; its digit takes the chain's look-ups. Every
+    item holds every k, in an order that says nothing of them."""
     lengths = [1 + i % max_k for i in range(4)]
     chains, digits, facts = _chains(rng, lengths, HOP_NAMES, rounds=True)
     order = rng.sample(range(4), 4)
@@ -214,16 +217,19 @@ DEFAULTS = dict(
     max_k=4,               # synthetic, pointer, hops: the hardest item (difficulty k in 1..max_k: look-ups, sum terms)
     filler=True,           # synthetic, pointer: sentences and copies between the labelled items (False: none)
 )
-RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "graded_multi", "shakespeare_char", "text",
-                      "fineweb_edu"],
-             tokenizer=["char", "gpt2"], seed=SEED_RULE, size="in [100, 1000000000]", val_fraction="in (0, 1)",
-             tokens="in [100, 100000000000]", max_k="in [1, 4]",
+RULES = dict(dataset=["synthetic", "pointer", "hops", "graded", "graded_multi",
+                      "shakespeare_char", "text", "fineweb_edu"],
+             tokenizer=["char", "gpt2"], seed=SEED_RULE, size="in [100, 1000000000]",
+             val_fraction="in (0, 1)", tokens="in [100, 100000000000]", max_k="in [1, 4]",
              name=lambda v: "a folder name, not a path" if ("/" in v or v in (".", "..")) else None)
 # the keys that act only for some datasets (their comments say which): set for another, refused
-made = ("--dataset=synthetic (or pointer, hops, graded, graded_multi)", lambda c: c["dataset"] in KINDS)
+made = ("--dataset=synthetic (or pointer, hops, graded, graded_multi)",
+        lambda c: c["dataset"] in KINDS)
 NEEDS = dict(seed=made, size=made, max_k=made,
-             filler=("--dataset=synthetic (or pointer)", lambda c: c["dataset"] in ("synthetic", "pointer")),
-             input=("--dataset=text (or shakespeare_char)", lambda c: c["dataset"] in ("text", "shakespeare_char")),
+             filler=("--dataset=synthetic (or pointer)",
+                     lambda c: c["dataset"] in ("synthetic", "pointer")),
+             input=("--dataset=text (or shakespeare_char)",
+                    lambda c: c["dataset"] in ("text", "shakespeare_char")),
              tokenizer=("--dataset=text", lambda c: c["dataset"] == "text"),
              tiktoken_file=("--dataset=text --tokenizer=gpt2 (or fineweb_edu)",
                             lambda c: c["tokenizer"] == "gpt2" or c["dataset"] == "fineweb_edu"),
@@ -233,8 +239,8 @@ NEEDS = dict(seed=made, size=made, max_k=made,
 # ----------------------------------------------------------------------------- synthetic
 
 def synthetic_text(n_tokens, seed, kinds="synthetic", max_k=4, filler=True, encode=None):
-    """Deterministic text of the makers of KINDS[kinds] (half the items, the rest FILLER; filler=False:
-    the labelled items only), with two per-token labels: the answer token's difficulty
+    """Deterministic text of the makers of KINDS[kinds] (half the items, the rest FILLER;
+    filler=False: the labelled items only), with two per-token labels: the answer token's difficulty
     (0 = unlabelled, else 1..max_k), and the item's difficulty over its whole span. encode: the
     tokenizer (None: one token per character)."""
     rng = random.Random(seed)
@@ -263,7 +269,8 @@ def write_split(out, ids, val_fraction, labels=None, meta=None, spans=None):
         raise UserError(f"token id {ids.max()} does not fit uint16")
     n_val = min(max(int(len(ids) * val_fraction), 1), len(ids) - 1)
     n_train = len(ids) - n_val
-    files = {"train.bin": ids.astype(np.uint16)[:n_train], "val.bin": ids.astype(np.uint16)[n_train:]}
+    files = {"train.bin": ids.astype(np.uint16)[:n_train],
+             "val.bin": ids.astype(np.uint16)[n_train:]}
     if labels is not None:
         files["val_labels.bin"] = labels[n_train:]
     if spans is not None:
@@ -282,10 +289,13 @@ def prepare(c):
                 "hops": pieces_meta(HOP_PIECES), "graded": pieces_meta(HOP_PIECES),
                 "graded_multi": pieces_meta(HOP_PIECES)}[c["dataset"]]
         encode, _ = load_tokenizer(meta)
-        filler = c["filler"] and c["dataset"] in ("synthetic", "pointer")   # no tokens for sentences in the others
-        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"], filler, encode)
+        # no tokens for sentences in the others
+        filler = c["filler"] and c["dataset"] in ("synthetic", "pointer")
+        text, labels, spans = synthetic_text(c["size"], c["seed"], c["dataset"], c["max_k"],
+                                             filler, encode)
         meta["labels"] = "val_labels.bin: uint8 per val token, 0 unlabelled, k = difficulty 1..4"
-        look_ups = c["dataset"] != "synthetic"            # the work may sit anywhere in a look-up item
+        # the work may sit anywhere in a look-up item
+        look_ups = c["dataset"] != "synthetic"
         if look_ups:
             meta["item_labels"] = "val_item_labels.bin: uint8 per val token, the difficulty of its item (0: none)"
         write_split(out, encode(text), c["val_fraction"], labels, meta, spans if look_ups else None)
@@ -299,7 +309,8 @@ def prepare(c):
             ids = load_tokenizer(meta)[0](text)
         write_split(out, ids, c["val_fraction"], meta=meta)
     else:
-        write_split(out, _fineweb_ids(c), c["val_fraction"], meta={"tokenizer": "gpt2", "vocab_size": 50257})
+        write_split(out, _fineweb_ids(c), c["val_fraction"],
+                    meta={"tokenizer": "gpt2", "vocab_size": 50257})
     return out
 
 
@@ -328,10 +339,12 @@ def _fineweb_ids(c):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError("--dataset=fineweb_edu needs the optional 'datasets' package: pip install datasets")
+        raise UserError("--dataset=fineweb_edu needs the optional 'datasets' package: pip install "
+                        "datasets")
     from tqdm import tqdm
     enc = gpt2_encoding(c["tiktoken_file"])
-    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train", streaming=True)
+    ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train",
+                      streaming=True)
     ids, bar = [], tqdm(total=c["tokens"], unit="tok", desc="fineweb_edu")
     for row in ds:
         doc = enc.encode_ordinary(row["text"]) + [enc.eot_token]

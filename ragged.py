@@ -46,15 +46,16 @@ class DenseLanes:
 
 
 class StaticLanes(DenseLanes):
-    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, lab/bench_gpu.py): the next
-    position is a tensor on the device, each layer writes its K/V there and attends over the whole
-    lane through a mask of the positions written so far, as gpt-fast's static cache does; `depth`
-    is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so that a
-    compiled step writes each in place."""
+    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, lab/bench_gpu.py): the
+    next position is a tensor on the device, each layer writes its K/V there and attends over the
+    whole lane through a mask of the positions written so far, as gpt-fast's static cache does;
+    `depth` is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so
+    that a compiled step writes each in place."""
 
     def __init__(self, model, n_lanes, max_len, batch=1):
         cfg, p = model.config, model.lm_head.weight
-        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype, device=p.device)
+        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype,
+                                   device=p.device)
         self.k = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
         self.v = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
         self.depth = 0
@@ -68,14 +69,15 @@ class StaticLanes(DenseLanes):
         self.depth = depth
 
     def layer_kv(self, layer, k, v):
-        at = self.pos + torch.arange(k.shape[2], device=k.device)               # this chunk's positions
+        # this chunk's positions
+        at = self.pos + torch.arange(k.shape[2], device=k.device)
         lane_k, lane_v = self.k[self.depth][layer], self.v[self.depth][layer]
         lane_k.index_copy_(2, at, k)
         lane_v.index_copy_(2, at, v)
         return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
 
 
-# ----------------------------------------------------------------------------- Ragged KV pages (App. A.1)
+# ----------------------------------------------------------------------- Ragged KV pages (App. A.1)
 
 def page_bytes(model):
     """Bytes of one KV page: one token's K and V at one depth, in every layer."""
@@ -118,12 +120,14 @@ class PagePool:
     compiled pass writes each in place (a write through a view of a graph's input is copied whole).
     A free list hands pages out."""
 
-    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu", scratch=False):
+    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu",
+                 scratch=False):
         self.n_pages = n_pages
-        # scratch: one more page, past the last, that padding rows of a static batch write and no row
-        # reads (slot_pass.py); it is never handed out
+        # scratch: one more page, past the last, that padding rows of a static batch write and no
+        # row reads (slot_pass.py); it is never handed out
         self.scratch = n_pages if scratch else None
-        page = lambda: torch.zeros(n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype, device=device)
+        page = lambda: torch.zeros(n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype,
+                                   device=device)
         self.k, self.v = [page() for _ in range(n_layer)], [page() for _ in range(n_layer)]
         self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.owner = [None] * n_pages                 # which sequence holds each page
@@ -179,7 +183,8 @@ class RaggedSeq:
     def __init__(self, pool, n_loops, max_len):
         self.pool, self.U = pool, n_loops
         self.table = torch.full((max_len, n_loops), -1, dtype=torch.long)
-        self.real = torch.zeros((max_len, n_loops), dtype=torch.bool)  # True: an owned page, not an alias
+        # True: an owned page, not an alias
+        self.real = torch.zeros((max_len, n_loops), dtype=torch.bool)
         self.n = 0              # positions so far
         self.block_evals = 0    # token-depth block applications executed
         self.released = False
@@ -187,7 +192,8 @@ class RaggedSeq:
     def extend(self, T):
         self._live()
         if self.n + T > self.table.shape[0]:
-            raise PoolExhausted(f"sequence of {self.n + T} tokens exceeds its table of {self.table.shape[0]}")
+            raise PoolExhausted(f"sequence of {self.n + T} tokens exceeds its table of "
+                                f"{self.table.shape[0]}")
         pos = torch.arange(self.n, self.n + T)
         self.n += T
         return pos
@@ -196,7 +202,8 @@ class RaggedSeq:
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it), or for
         every depth of a slice d (a fixed wave runs them all: pages [len(pos), depths], taken by
         alloc_wave); pages: already taken from the pool for this sequence. (write_pages refuses a
-        page the sequence does not own; check() verifies that no page is ever held twice or leaked.)"""
+        page the sequence does not own; check() verifies that no page is ever held twice or
+        leaked.)"""
         self._live()
         if pages is None:
             pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
@@ -206,12 +213,13 @@ class RaggedSeq:
         return pages
 
     def stop(self, pos, d):
-        """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per token):
-        deeper rows alias P_{i,d} (Eq. 11)."""
+        """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per
+        token): deeper rows alias P_{i,d} (Eq. 11)."""
         d = torch.as_tensor(d).reshape(-1).expand(len(pos))
         deeper = torch.arange(self.U)[None, :] > d[:, None]
         assert not (self.real[pos] & deeper).any(), "a page past the exit is held (a runner hands it back first)"
-        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]), self.table[pos])
+        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]),
+                                      self.table[pos])
 
     def collapse(self, pos, depth):
         """Table 17 baselines: read token i at one depth (0-based depth[i]) from every depth, and
@@ -231,7 +239,8 @@ class RaggedSeq:
         """Check a K/V write of `pos` at depth d (or every depth of a slice d, pages [len(pos), depths])."""
         self._live()
         if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
-            raise PageError("a K/V write through an alias or to a page the token does not own at this depth")
+            raise PageError("a K/V write through an alias or to a page the token does not own at "
+                            "this depth")
         if any(self.pool.owner[p] is not self for p in pages.flatten().tolist()):
             raise PageError("a K/V write to a freed page or one held by another sequence")
 
@@ -270,13 +279,16 @@ def alloc_wave(pool, rows):
     if need > len(pool.free):
         raise PoolExhausted(f"need {need} KV pages, {len(pool.free)} of {pool.n_pages} free")
     order = [(k, i, di) for i in range(max((len(pos) for _, pos, _ in rows), default=0))
-             for k, (_, pos, depths) in enumerate(rows) if i < len(pos) for di in range(len(depths))]
+             for k, (_, pos, depths) in enumerate(rows) if i < len(pos)
+             for di in range(len(depths))]
     taken = pool.alloc(need, [rows[k][0] for k, _, _ in order])
     grid = [[[0] * len(depths) for _ in range(len(pos))] for _, pos, depths in rows]
     for (k, i, di), p in zip(order, taken):
         grid[k][i][di] = p
-    return [seq.alloc_depth(pos, slice(depths.start, depths.stop), torch.tensor(g, dtype=torch.long))
-            for (seq, pos, depths), g in zip(rows, grid)]                       # [len(pos), len(depths)] each
+    # [len(pos), len(depths)] each
+    return [seq.alloc_depth(pos, slice(depths.start, depths.stop),
+                            torch.tensor(g, dtype=torch.long))
+            for (seq, pos, depths), g in zip(rows, grid)]
 
 
 if __name__ == "__main__":

@@ -26,22 +26,28 @@ class Request:
     temperature: float = 0.0       # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0                  # seeds this request's sampler: reproducible whatever else is batched
+    # seeds this request's sampler: reproducible whatever else is batched
+    seed: int = 0
     stop: tuple = ()               # token ids that end the request (kept in tokens)
     prefill_thr: float = None      # ETE prefill options (App. E.2)
     prefill_schedule: str = ""
     prefix_full: int = 0
     keep_logits: bool = False      # keep the logits each token was sampled from (in .logits)
-    on_token: object = None        # called as on_token(request, token) by the engine thread (None: ended)
-    tag: object = None             # the caller's own label (an item index, a choice index); never read here
-    cancelled: bool = False        # set from any thread; the engine frees the pages at its next step
+    # called as on_token(request, token) by the engine thread (None: ended)
+    on_token: object = None
+    # the caller's own label (an item index, a choice index); never read here
+    tag: object = None
+    # set from any thread; the engine frees the pages at its next step
+    cancelled: bool = False
     # ---- reported by the engine
     tokens: list = field(default_factory=list)       # sampled tokens, in order
-    exits: list = field(default_factory=list)        # exit depth of every position that ran (1-based)
+    # exit depth of every position that ran (1-based)
+    exits: list = field(default_factory=list)
     logits: list = field(default_factory=list, repr=False)
     finish_reason: str = None      # length | stop | cancelled | error
     error: str = None
-    note: str = None               # why a request ended before max_tokens without a stop (the pool ran dry)
+    # why a request ended before max_tokens without a stop (the pool ran dry)
+    note: str = None
     kv: dict = None                # page accounting of this request at its end
     preemptions: int = 0
 
@@ -66,8 +72,8 @@ class Request:
 # noise whose uniform u_i is a hash of (the request's seed, the token's position, i). Drawing so is
 # drawing from the softmax of z over the nucleus, and a draw depends on nothing but the request and
 # the position: the same whatever else is batched, when a preempted request is replayed, and inside
-# a CUDA graph, which cannot hold a generator's state. Two ways compute it, one law: sample_token for
-# one row (the nucleus found without sorting the vocabulary) and sample_tokens for a batch with
+# a CUDA graph, which cannot hold a generator's state. Two ways compute it, one law: sample_token
+# for one row (the nucleus found without sorting the vocabulary) and sample_tokens for a batch with
 # static shapes (what slot_pass's graphs run); test_model.py checks that they agree.
 
 M32 = 0xFFFFFFFF
@@ -75,8 +81,8 @@ M32 = 0xFFFFFFFF
 
 def mix32(x):
     """A 32-bit integer hash (multiply-xorshift, as in Wellons's lowbias32) on int64 tensors holding
-    values in [0, 2**32). Its multipliers are below 2**31, so no product overflows int64: the same bits
-    on every device and under every compiler (signed overflow is undefined in C++)."""
+    values in [0, 2**32). Its multipliers are below 2**31, so no product overflows int64: the same
+    bits on every device and under every compiler (signed overflow is undefined in C++)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & M32
     x = x ^ (x >> 15)
@@ -103,9 +109,9 @@ def seed_bits(seed):
 
 
 def sample_set(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """What a sampled token is drawn from: (ids, probs, z) of the tokens it may be, most likely first
-    under top_p, z their logits over the temperature. temperature > 0 scales the logits; top_k 0 =
-    off (else the k most likely, ties at the k-th kept); top_p 1 = off (else the nucleus: the
+    """What a sampled token is drawn from: (ids, probs, z) of the tokens it may be, most likely
+    first under top_p, z their logits over the temperature. temperature > 0 scales the logits; top_k
+    0 = off (else the k most likely, ties at the k-th kept); top_p 1 = off (else the nucleus: the
     smallest prefix of the tokens sorted by probability whose mass reaches top_p, each token kept
     while the mass before it is short of top_p). In >= fp32, as the exit maths. The nucleus is
     usually a small part of a real vocabulary, so it is found among the 64 most likely tokens, then
@@ -124,7 +130,8 @@ def sample_set(logits, temperature=1.0, top_k=0, top_p=1.0):
     while True:
         p, ids = torch.topk(probs, min(n, V))            # the n most likely, largest first
         mass = p.cumsum(0)
-        if n >= V or mass[-1] >= top_p:                   # every later token has top_p before it: dropped
+        # every later token has top_p before it: dropped
+        if n >= V or mass[-1] >= top_p:
             keep = (mass - p) < top_p
             return ids[keep], p[keep], z[ids[keep]]
         n *= 4
@@ -163,7 +170,8 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, position, nucleus=Tru
     p = torch.softmax(sz, dim=-1)
     mass = p.cumsum(-1)
     keep = ((mass - p) < top_p[:, None].to(dt)) | (top_p[:, None] >= 1.0)
-    keep = torch.zeros_like(keep).scatter(1, order, keep & (sz > float("-inf")))   # back to vocabulary order
+    # back to vocabulary order
+    keep = torch.zeros_like(keep).scatter(1, order, keep & (sz > float("-inf")))
     drawn = torch.where(keep, z + g, float("-inf")).argmax(-1)
     return torch.where(temperature > 0, drawn, x.argmax(-1))
 
@@ -175,13 +183,16 @@ if __name__ == "__main__":
 
 # ----------------------------------------------------------------------------- an OpenAI-style body
 
-ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth", "prefill_thr",
+ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth",
+                 "prefill_thr",
                  "prefill_schedule", "prefix_full"}          # body fields that are Request fields
 ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages",
             "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")   # chat roles of the ChatML template
-UNSUPPORTED = {"logprobs": (None, 0, False), "echo": (None, False), "best_of": (None, 1), "suffix": (None,),
-               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0)}
+UNSUPPORTED = {"logprobs": (None, 0, False), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None,),
+               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0)}
 
 
 class BadRequest(Exception):
@@ -194,33 +205,40 @@ def prompt_of(server, body, chat):
     """The prompt's token ids and the stop ids of a completion or chat body."""
     if chat:
         if not server.chat:
-            raise BadRequest("this model has no chat template (Ouro's ChatML tokens); use /v1/completions", "messages")
+            raise BadRequest("this model has no chat template (Ouro's ChatML tokens); use "
+                             "/v1/completions", "messages")
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
+            raise BadRequest("'messages' must be a non-empty list of {role, content} objects",
+                             "messages")
         turns = []
         for m in msgs:
             if m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
-                raise BadRequest(f"'messages': a message has role {m.get('role')!r} and fields {sorted(m)}; roles are "
-                                 f"{', '.join(ROLES)}, fields role, content (and name)", "messages")
+                raise BadRequest(f"'messages': a message has role {m.get('role')!r} and fields "
+                                 f"{sorted(m)}; roles are {', '.join(ROLES)}, fields role, content "
+                                 "(and name)", "messages")
             turns.append((m["role"], message_text(m.get("content"))))
         return chat_ids(turns, server.encode), (IM_END,)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                      # a batch of one
-    if prompt == "" or prompt == []:            # the start of a text, as in sample.py and lab/eval.py
+    # the start of a text, as in sample.py and lab/eval.py
+    if prompt == "" or prompt == []:
         return list(server.start), (() if server.eos is None else (server.eos,))
     if isinstance(prompt, str):
         if server.encode is None:
-            raise BadRequest("this model has no tokenizer here: give 'prompt' as a list of token ids", "prompt")
+            raise BadRequest("this model has no tokenizer here: give 'prompt' as a list of token "
+                             "ids", "prompt")
         try:
             ids = server.encode(prompt)
         except UserError as e:
             raise BadRequest(f"'prompt': {e}", "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
         ids = list(prompt)
     else:
-        raise BadRequest("'prompt' must be a string or a list of token ids (empty: the start of a text)", "prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids (empty: the start of a "
+                         "text)", "prompt")
     return ids, (() if server.eos is None else (server.eos,))
 
 
@@ -228,12 +246,12 @@ def message_text(content):
     """A chat message's content: a string, or OpenAI's list of content parts of type text (joined)."""
     if isinstance(content, str):
         return content
-    text_part = lambda p: (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           and set(p) <= {"type", "text"})
+    text_part = lambda p: (isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) and set(p) <= {"type", "text"})
     if isinstance(content, list) and content and all(text_part(p) for p in content):
         return "".join(p["text"] for p in content)
-    raise BadRequest("'messages': a content must be a string or a list of {type: text, text} parts (this model "
-                     "reads text only)", "messages")
+    raise BadRequest("'messages': a content must be a string or a list of {type: text, text} parts "
+                     "(this model reads text only)", "messages")
 
 
 def parse_request(server, body, chat):
@@ -243,13 +261,16 @@ def parse_request(server, body, chat):
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     for key in body:
-        if key not in ENGINE_FIELDS | ACCEPTED | set(UNSUPPORTED) or key == ("prompt" if chat else "messages"):
+        if key not in ENGINE_FIELDS | ACCEPTED | set(UNSUPPORTED) or key == ("prompt" if chat
+                                                                             else "messages"):
             raise BadRequest(f"unknown field '{key}'", key)
     for key, ok in UNSUPPORTED.items():
         if key in body and body[key] not in ok:
             raise BadRequest(f"'{key}' is not supported by this server", key)
-    if body.get("model") not in (None, server.name):             # as the OpenAI API: a name it does not serve
-        raise BadRequest(f"the model {body['model']!r} does not exist here; this server serves {server.name!r} "
+    # as the OpenAI API: a name it does not serve
+    if body.get("model") not in (None, server.name):
+        raise BadRequest(f"the model {body['model']!r} does not exist here; this server serves "
+                         f"{server.name!r} "
                          "(GET /v1/models)", "model", status=404, code="model_not_found")
     ids, stop_ids = prompt_of(server, body, chat)
     stop = body.get("stop")
@@ -263,23 +284,29 @@ def parse_request(server, body, chat):
         raise BadRequest(f"'stream' must be true or false, not {stream!r}", "stream")
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()))
-    elif not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX - (n - 1)):
+    elif not (isinstance(seed, int) and not isinstance(seed, bool)
+              and 0 <= seed <= SEED_MAX - (n - 1)):
         raise BadRequest(f"'seed' must be an integer in [0, 2**64 - n], not {seed!r}", "seed")
     options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_usage"}
                                 or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": true", "stream_options")
+        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": "
+                         "true", "stream_options")
     f = {"temperature": 1.0, **{k: body[k] for k in ENGINE_FIELDS if body.get(k) is not None}}
-    if body.get("max_completion_tokens") is not None:           # the chat API's newer name for max_tokens
+    # the chat API's newer name for max_tokens
+    if body.get("max_completion_tokens") is not None:
         if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
-            raise BadRequest("'max_tokens' and 'max_completion_tokens' differ; give one", "max_completion_tokens")
+            raise BadRequest("'max_tokens' and 'max_completion_tokens' differ; give one",
+                             "max_completion_tokens")
         f["max_tokens"] = body["max_completion_tokens"]
     mode = f.get("mode", Request.mode)
     if "depth" in f and mode != "fixed":
-        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths (give 'thr')",
-                         "depth")
+        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths "
+                         "(give 'thr')", "depth")
     if "thr" in f and mode == "fixed":
-        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs 'depth' loops", "thr")
+        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs "
+                         "'depth' loops", "thr")
     reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
     try:
         server.engine.check_request(reqs[0])

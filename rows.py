@@ -29,16 +29,22 @@ class Live:
         self.done = 0                   # positions whose rows all finished (chunk_end starts here)
         self.started = 0                # positions whose rows have started
         self.rows = 0                   # its rows in flight
-        self.exits = {}                 # exits decided, by position, until its positions are done (then req.exits)
-        self.stops = []                 # (position, 0-based depth) of rows that stopped, for the host's table
-        self.ending = False             # the last token is sampled; it ends when its rows have finished
+        # exits decided, by position, until its positions are done (then req.exits)
+        self.exits = {}
+        # (position, 0-based depth) of rows that stopped, for the host's table
+        self.stops = []
+        # the last token is sampled; it ends when its rows have finished
+        self.ending = False
         self.evals_before = 0           # block evaluations of caches freed by preemption
-        self.decode_depths = [0, 0]     # Σ exits and count of its decode positions run so far (replays not again)
+        # Σ exits and count of its decode positions run so far (replays not again)
+        self.decode_depths = [0, 0]
         # ---- a runner's
         self.group = None               # eager: its rows in flight (a Group), if any
-        self.waited = 0                 # eager: passes its exited rows waited for a shared LM-head call
+        # eager: passes its exited rows waited for a shared LM-head call
+        self.waited = 0
         self.slot = None                # slots: its request slot on the device
-        self.host_end = 0               # slots: positions the host starts (later ones restart on the device)
+        # slots: positions the host starts (later ones restart on the device)
+        self.host_end = 0
         self.reserved = -1              # slots: the last position whose pages are taken ahead
 
     def runnable(self):
@@ -58,10 +64,10 @@ class Live:
 
 
 class Said(NamedTuple):
-    """One row's entry in a pass's log, where it says something: its request, position and the 1-based
-    depth it ran, the exit it decided (0: none), the token its exit sampled (-1: none) and its logits
-    (where the request keeps them), whether it ran its last depth (stop), whether its request's next
-    position started in its place with that token (go)."""
+    """One row's entry in a pass's log, where it says something: its request, position and the
+    1-based depth it ran, the exit it decided (0: none), the token its exit sampled (-1: none) and
+    its logits (where the request keeps them), whether it ran its last depth (stop), whether its
+    request's next position started in its place with that token (go)."""
     live: "Live"
     pos: int
     depth: int
@@ -73,9 +79,9 @@ class Said(NamedTuple):
 
 
 class Log(NamedTuple):
-    """What one pass of a runner did, the contract between a runner and the host: how many rows it ran
-    for each request [(Live, rows)], and the entries of its rows that say something [Said], in row
-    order (a runner builds them without any work per idle row)."""
+    """What one pass of a runner did, the contract between a runner and the host: how many rows it
+    ran for each request [(Live, rows)], and the entries of its rows that say something [Said], in
+    row order (a runner builds them without any work per idle row)."""
     ran: list
     said: list
 
@@ -93,14 +99,15 @@ class HeadQueue:
 
     def join(self, exited):
         """One more pass for the rows waiting, and the newly exited [(Live, position, state)] join at 0."""
-        self.rows = [(s, p, h, w + 1) for s, p, h, w in self.rows] + [(s, p, h, 0) for s, p, h in exited]
+        self.rows = [(s, p, h, w + 1) for s, p, h, w in self.rows] + [(s, p, h, 0)
+                                                                      for s, p, h in exited]
 
     def waits(self):
         return [(s, w) for s, _, _, w in self.rows]
 
     def take(self):
-        """Every waiting row, out of the queue as [(Live, position, state)], each request charged the
-        passes its rows waited."""
+        """Every waiting row, out of the queue as [(Live, position, state)], each request charged
+        the passes its rows waited."""
         rows, self.rows = self.rows, []
         for s, _, _, w in rows:
             s.waited += w
@@ -113,21 +120,26 @@ class HeadQueue:
 
 class Group:
     """The rows of one request in flight: consecutive positions that started together and run
-    depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they stop."""
+    depth by depth (a prompt chunk, a replay chunk, or one decode token). Rows leave as they
+    stop."""
 
     def __init__(self, live, start, ids, taus, full, forced, keep, n_run):
         self.live, self.start, self.size, self.n_run = live, start, len(ids), n_run
         self.pos = torch.arange(start, start + len(ids))   # host side: page tables
-        self.ids = ids                                      # token ids; the first step embeds all new groups at once
-        self.h = None                                       # [T, C] on the device, from the first step
-        self.survive = None                                 # Π (1 - λ) so far (Eq. 4), from the first step
+        # token ids; the first step embeds all new groups at once
+        self.ids = ids
+        # [T, C] on the device, from the first step
+        self.h = None
+        # Π (1 - λ) so far (Eq. 4), from the first step
+        self.survive = None
         # host lists by position (index p - start): τ, runs on after its exit, the exit a replay
         # forces (0: decide), the Table 17 depth it keeps, the exit decided (0: none yet)
         self.tau, self.full, self.forced, self.keep = taus, full, forced, keep
         self.exits = [0] * len(ids)
         self.d = 0                                          # the depth the rows run next (0-based)
         self.sample_pos = None                              # whose exit samples a token
-        self.rows = None                                    # its rows of this step's batch (a slice)
+        # its rows of this step's batch (a slice)
+        self.rows = None
 
     def offsets(self):
         """The running rows' indices into the host lists, in batch order (row g.rows.start + i is
@@ -147,9 +159,11 @@ class RowsView:
         self.pool, self.pages, self.impl = pool, pages, impl
         self.n_rows = pages.shape[0]
         self.parts = attention_parts(groups, impl, device)
-        self.sizes = [lengths.shape[0] * (ids.shape[0] if kind == "chunks" else 1) for kind, ids, lengths in self.parts]
+        self.sizes = [lengths.shape[0] * (ids.shape[0] if kind == "chunks" else 1)
+                      for kind, ids, lengths in self.parts]
         # every layer reads the same tables with queries of the same shape: they are checked in the
-        # first layer, and the torch reference's gather list, mask or grid is built once per pass too
+        # first layer, and the torch reference's gather list, mask or grid is built once per pass
+        # too
         self.plans = [grid_of(ids) if kind == "chunks" else
                       gather_plan(ids, lengths, device) if impl == "torch" else None
                       for kind, ids, lengths in self.parts]
@@ -167,8 +181,8 @@ class RowsView:
                 if kind == "rows":
                     check_inputs(qp, kl, vl, ids, lengths)
         ys = [attend_pages(qp, kl, vl, ids, lengths, self.impl, plan) if kind == "rows" else
-              paged_chunk_attention_grid(qp, kl, vl, plan, *ids.shape, lengths) if plan is not None else
-              paged_chunk_attention(qp, kl, vl, ids, lengths)
+              paged_chunk_attention_grid(qp, kl, vl, plan, *ids.shape, lengths)
+              if plan is not None else paged_chunk_attention(qp, kl, vl, ids, lengths)
               for qp, (kind, ids, lengths), plan in zip(qs, self.parts, self.plans)]
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
@@ -187,11 +201,14 @@ def attention_parts(groups, attn, device):
     parts = []
     for lo, hi in padded_tables(ends, attn):
         pos = torch.cat([g.pos for g in flat[lo:hi]])
+        # column d (Eq. 11), per row
         cols = [g.live.seq.table[:n_keys, g.d] for g, n_keys in zip(flat[lo:hi], ends[lo:hi])
-                for _ in range(len(g.pos))]                                   # column d (Eq. 11), per row
-        page_ids = pad_sequence(cols, batch_first=True, padding_value=-1)    # -1: past the row's keys
+                for _ in range(len(g.pos))]
+        # -1: past the row's keys
+        page_ids = pad_sequence(cols, batch_first=True, padding_value=-1)
         parts.append(("rows", page_ids.to(device), (pos + 1).to(device)))
-    chunks = []                                                               # runs of chunks at equal positions
+    # runs of chunks at equal positions
+    chunks = []
     for g in groups[len(flat):]:
         if chunks and torch.equal(chunks[-1][-1].pos, g.pos):
             chunks[-1].append(g)
@@ -223,7 +240,8 @@ def embed_new(model, groups, device):
     if new:
         ids = torch.tensor([t for g in new for t in g.ids], device=device)
         hs = model.embed_tokens(ids)
-        ones = torch.ones(len(ids), dtype=at_least_fp32(hs.dtype), device=device)   # nothing exited yet
+        # nothing exited yet
+        ones = torch.ones(len(ids), dtype=at_least_fp32(hs.dtype), device=device)
         for g, h, s in zip(new, hs.split([g.size for g in new]), ones.split([g.size for g in new])):
             g.h, g.survive = h, s
 

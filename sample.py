@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script
-from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError, check_needs, parse,
-                          run_cli, set_threads)
+from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError,
+                          check_needs, parse, run_cli, set_threads)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from request import Request
@@ -67,25 +67,29 @@ DEFAULTS = dict(
     show_exits=False,      # print the text with each new token colored by its exit depth
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
 )
-RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0", top_p="in (0, 1]",
-             seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0", prefill_thr="in [0, 1]",
-             prefill_schedule=["", "cosine"], prefix_full=">= 0", kv_pages=">= 0", attn=IMPLS,
-             head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
-# the keys that act only with another setting: refused without it (checked with the model's U: check_args)
-prefill = ("--mode=ete_ragged (or collapse_kv)", lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
+RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]", top_k=">= 0",
+             top_p="in (0, 1]",
+             seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0",
+             prefill_thr="in [0, 1]", prefill_schedule=["", "cosine"], prefix_full=">= 0",
+             kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
+# the keys that act only with another setting: refused without it (checked with the model's U:
+# check_args)
+prefill = ("--mode=ete_ragged (or collapse_kv)",
+           lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
              thr=("--mode=dense_ragged (any mode but fixed)", lambda c: c["mode"] != "fixed"),
              prefill_thr=prefill, prefill_schedule=prefill, prefix_full=prefill, **SAMPLING_NEEDS)
 
 
 def check_args(c, U, given):
-    """What RULES cannot check alone: the flags that need the mode (NEEDS), and the depth against the
-    model's U."""
+    """What RULES cannot check alone: the flags that need the mode (NEEDS), and the depth against
+    the model's U."""
     mode = c["mode"]
     check_needs(c, given, NEEDS)
     depth = c["depth"] or U
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
-        raise UserError(f"--depth={depth!r}: must be an integer in 0..{U} (0: all U; this model has U={U} loops)")
+        raise UserError(f"--depth={depth!r}: must be an integer in 0..{U} (0: all U; this model "
+                        f"has U={U} loops)")
     return mode, float(c["thr"]), depth
 
 
@@ -108,7 +112,8 @@ def prompt_ids(c, meta, encode):
             raise UserError(f"--prompt=FILE:{path}: not UTF-8 text")
         except OSError as e:
             raise UserError(f"--prompt=FILE:{path}: cannot read it ({e.strerror or e})")
-    if text == "":                         # an empty prompt: the start of a text (tokenizer.start_of_text)
+    # an empty prompt: the start of a text (tokenizer.start_of_text)
+    if text == "":
         return start_of_text(meta)
     try:
         return encode(text)
@@ -117,14 +122,16 @@ def prompt_ids(c, meta, encode):
 
 
 def summarize(r, U, peak):
-    """The JSON record of one generation (a finished engine Request): exits, average depths, KV rows,
-    block evaluations, and the exit statistics of the decode positions (the paper's convention; in
-    Dense-Ragged the prompt is forced to depth U) with those of the prompt beside them under "prefill"."""
+    """The JSON record of one generation (a finished engine Request): exits, average depths, KV
+    rows, block evaluations, and the exit statistics of the decode positions (the paper's
+    convention; in Dense-Ragged the prompt is forced to depth U) with those of the prompt beside
+    them under "prefill"."""
     pe, de = r.prompt_exits, r.decode_exits
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
     return {"tokens": r.tokens, "exits": r.token_exits, "prompt_exits": pe, "decode_exits": de,
             "avg_depth": {"prefill": mean(pe), "decode": mean(de), "overall": mean(pe + de)},
-            "kv_rows": {"physical": r.kv["physical"], "dense": r.kv["dense"], "logical": r.kv["logical"], "peak": peak},
+            "kv_rows": {"physical": r.kv["physical"], "dense": r.kv["dense"],
+                        "logical": r.kv["logical"], "peak": peak},
             "block_evals": r.kv["block_evals"], **exit_stats(de, U), "prefill": exit_stats(pe, U),
             "finish_reason": r.finish_reason}
 
@@ -145,7 +152,8 @@ def show_exits(tokens, exits, decode, U, prompt_text):
         else:
             out.append(piece(t) + MARKS[min(e, 9) - 1])
     if color:
-        legend = " ".join(COLORS.get(d, "\033[35m") + f"depth {d}" + "\033[0m" for d in range(1, U + 1))
+        legend = " ".join(COLORS.get(d, "\033[35m") + f"depth {d}" + "\033[0m"
+                          for d in range(1, U + 1))
     else:
         legend = "each token is followed by the depth that produced it: " + " ".join(
             f"{MARKS[d - 1]}={d}" for d in range(1, min(U, 9) + 1))
@@ -153,10 +161,12 @@ def show_exits(tokens, exits, decode, U, prompt_text):
 
 
 def the_prompt(c, model, meta, encode):
-    """The prompt's token ids (from --prompt, FILE:, --prompt_ids; in the chat template with --chat),
-    checked against the context, and --max_new_tokens cut to what fits, with a note saying so."""
+    """The prompt's token ids (from --prompt, FILE:, --prompt_ids; in the chat template with
+    --chat), checked against the context, and --max_new_tokens cut to what fits, with a note saying
+    so."""
     if encode is None and c["prompt_ids"] == "":
-        raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated token ids)")
+        raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated "
+                        "token ids)")
     ids = prompt_ids(c, meta, encode)
     if c["chat"]:
         if encode is None:
@@ -164,7 +174,8 @@ def the_prompt(c, model, meta, encode):
         check_chat(meta)
         ids = chat_ids([("user", ids)], encode)
     try:
-        check_prompt(model.config, ids, 1)               # the prompt itself, with room for one token
+        # the prompt itself, with room for one token
+        check_prompt(model.config, ids, 1)
     except UserError as e:
         raise UserError(f"--{'prompt_ids' if c['prompt_ids'] != '' else 'prompt'}: {e}")
     room = model.config.block_size - len(ids)
@@ -181,14 +192,17 @@ def sample_engine(c, model, ids, mode):
     and their pages lie on a grid that the attention reads in place (kernels.grid_of)."""
     pages = c["kv_pages"] or c["num_samples"] * (len(ids) + c["max_new_tokens"]) * model.config.n_loops
     try:
-        return engine_for(model, pages, max_batch=c["num_samples"], max_rows=c["num_samples"] * len(ids),
-                          attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"],
+        return engine_for(model, pages, max_batch=c["num_samples"],
+                          max_rows=c["num_samples"] * len(ids),
+                          attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
+                          engine=c["engine"],
                           sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
             raise
-        raise UserError(f"--num_samples={c['num_samples']}: the default pool holds every token of every sample at "
-                        f"every depth ({pages} pages) and {str(e).split(': ', 1)[1]}; give fewer samples or --kv_pages")
+        raise UserError(f"--num_samples={c['num_samples']}: the default pool holds every token of "
+                        f"every sample at every depth ({pages} pages) and "
+                        f"{str(e).split(': ', 1)[1]}; give fewer samples or --kv_pages")
 
 
 def main(argv):
@@ -202,12 +216,14 @@ def main(argv):
     np.random.seed(c["seed"])
     torch.manual_seed(c["seed"])
     # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
-    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else is batched.
+    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else
+    # is batched.
     engine, pages = sample_engine(c, model, ids, mode)
     reqs = [Request(ids, c["max_new_tokens"], mode, thr=thr, depth=depth if mode == "fixed" else 0,
-                    temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + s,
-                    stop=(IM_END,) if c["chat"] else (), prefill_thr=c["prefill_thr"],
-                    prefill_schedule=c["prefill_schedule"], prefix_full=c["prefix_full"])
+                    temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"],
+                    seed=c["seed"] + s, stop=(IM_END,) if c["chat"] else (),
+                    prefill_thr=c["prefill_thr"], prefill_schedule=c["prefill_schedule"],
+                    prefix_full=c["prefix_full"])
             for s in range(c["num_samples"])]
     try:
         for r in reqs:
@@ -215,8 +231,8 @@ def main(argv):
     except UserError as e:
         raise UserError(f"--kv_pages={pages}: {e}" if c["kv_pages"] else str(e))
     from tqdm import tqdm
-    with tqdm(total=len(reqs) * c["max_new_tokens"], desc="sample", unit="tok", file=sys.stderr, disable=None,
-              leave=False) as bar:
+    with tqdm(total=len(reqs) * c["max_new_tokens"], desc="sample", unit="tok", file=sys.stderr,
+              disable=None, leave=False) as bar:
         while engine.busy():
             bar.update(len(engine.step()))
     for i, r in enumerate(reqs):
@@ -235,7 +251,8 @@ def report(c, reqs, ids, decode, engine, pages, spec):
         rec["text"] = decode(r.tokens) if decode else None
         samples.append(rec)
         if c["show_exits"]:
-            print(show_exits(r.tokens, r.token_exits, decode, U, (decode(ids) if decode else str(ids))))
+            print(show_exits(r.tokens, r.token_exits, decode, U,
+                             (decode(ids) if decode else str(ids))))
         elif not c["json"]:
             print((decode(ids) if decode else "") + (rec["text"] if decode else str(r.tokens)))
             print("-" * 40)
@@ -243,14 +260,15 @@ def report(c, reqs, ids, decode, engine, pages, spec):
         how = f"mode={mode}" + (f" depth={depth}" if mode == "fixed" else f" thr={thr}")
         print(f"sample {s}: {how} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
               f"overall {a['overall']:.2f} of U={U}; KV rows {kv['physical']}/{kv['dense']} "
-              f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}", file=sys.stderr)
+              f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}",
+              file=sys.stderr)
     if len(reqs) > 1:
-        print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the block, "
-              f"peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)
+        print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the "
+              f"block, peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)
     if c["json"]:
         fixed = mode == "fixed"
-        print(json.dumps({"mode": mode, "thr": None if fixed else thr, "depth": depth if fixed else None,
-                          "n_loops": U, "prompt_tokens": ids, "samples": samples}))
+        print(json.dumps({"mode": mode, "thr": None if fixed else thr, "depth": depth if fixed
+                          else None, "n_loops": U, "prompt_tokens": ids, "samples": samples}))
     return samples
 
 

@@ -21,14 +21,14 @@ SCHEDULERS = ["continuous", "nested", "fixed"]
 
 
 def scheduler_for(mode):
-    """The scheduler for requests all of one mode (sample.py, lab/eval.py): fixed-depth requests go in
-    waves, every token all its loops at once (no exits to decide); the others pass by pass."""
+    """The scheduler for requests all of one mode (sample.py, lab/eval.py): fixed-depth requests go
+    in waves, every token all its loops at once (no exits to decide); the others pass by pass."""
     return "fixed" if mode == "fixed" else "continuous"
 
 
 def chunk_end(s, budget):
-    """Where the next chunk of positions of s (s.done.., up to s.runnable()) ends, given the rows left
-    in this step's budget; None: wait. A decode token always runs."""
+    """Where the next chunk of positions of s (s.done.., up to s.runnable()) ends, given the rows
+    left in this step's budget; None: wait. A decode token always runs."""
     n, start, avail = len(s.req.prompt), s.done, s.runnable()
     if start >= avail:
         return None
@@ -52,8 +52,8 @@ def fit_chunk(s, end, free, U):
 def dry_pool(r, pool, U):
     """Why a request that runs the pool dry alone ends where it is (its tokens so far kept, finish
     reason "length"): the pool, what it held, and its whole need."""
-    return (f"stopped after {len(r.tokens)} of {r.max_tokens} tokens: it held all {pool.used} of the pool's "
-            f"{pool.n_pages} KV pages; it needs {need(r, U)}")
+    return (f"stopped after {len(r.tokens)} of {r.max_tokens} tokens: it held all {pool.used} of "
+            f"the pool's {pool.n_pages} KV pages; it needs {need(r, U)}")
 
 
 class Scheduler:
@@ -86,7 +86,8 @@ class Scheduler:
             if how != "chunk" or not joins(s):
                 continue
             end = chunk_end(s, self.max_rows - rows)
-            if end is not None and end - s.done > 1:    # one decode row always starts (allocation preempts)
+            # one decode row always starts (allocation preempts)
+            if end is not None and end - s.done > 1:
                 end = fit_chunk(s, end, free, self.U)
             if end is not None:
                 wave, n = n_run(s.req, self.U), end - s.done
@@ -98,7 +99,8 @@ class Scheduler:
             if end is None:
                 break
             if s.req.exits and self.running and free < sum(s.req.exits) + n_run(s.req, self.U):
-                break   # a preempted request returns when its replay and one more token fit: no thrashing
+                # a preempted request returns when its replay and one more token fit: no thrashing
+                break
             end = fit_chunk(s, end, free, self.U)
             if end is None:
                 break
@@ -110,7 +112,8 @@ class Scheduler:
     def evict(self):
         """The pool ran dry (App. A.2: memory is capacity): the newest request is preempted, back to
         the front of the queue (its exits kept for the replay), and handed back with None; or, when
-        it runs alone and still does not fit, handed back with why it ends where it is (dry_pool)."""
+        it runs alone and still does not fit, handed back with why it ends where it is
+        (dry_pool)."""
         s = self.running[-1]
         if len(self.running) == 1:
             return s, dry_pool(s.req, self.pool, self.U)

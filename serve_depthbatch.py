@@ -65,7 +65,8 @@ from slot_pass import can_capture
 
 # When the LM head runs: "eager" on every pass where a row exits; "shared" lets exited rows wait to
 # share one head call, while the cost model says waiting costs less than a call (with a queue, up to
-# MAX_WAIT passes; with none, for the row of the request that ends the batch: EagerRunner._head_rows).
+# MAX_WAIT passes; with none, for the row of the request that ends the batch:
+# EagerRunner._head_rows).
 HEADS = ["eager", "shared"]
 MAX_WAIT = 2
 ENGINES = ["auto", "eager", "slots"]       # engine_for: the runner (slots: slot_engine.SlotRunner)
@@ -75,8 +76,9 @@ def check_pool(model, kv_pages):
     """A pool of kv_pages must fit the device's memory (UserError naming --kv_pages)."""
     need, have = kv_pages * page_bytes(model), memory_bytes(model.lm_head.weight.device)
     if need > have:
-        raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of {page_bytes(model) / 1024:.1f} KiB "
-                        f"needs {need / 2**30:.1f} GiB; this machine has {have / 2**30:.1f} GiB", "kv_pages")
+        raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of "
+                        f"{page_bytes(model) / 1024:.1f} KiB needs {need / 2**30:.1f} GiB; this "
+                        f"machine has {have / 2**30:.1f} GiB", "kv_pages")
 
 
 def weight_bytes(model):
@@ -91,13 +93,13 @@ def weight_bytes(model):
 class Engine:
     """Continuous mixed-depth batching over one shared page pool: the host over a runner (runner:
     "eager", the reference EagerRunner, or "slots", slot_engine.SlotRunner, with its options). Call
-    add() and step() from one thread (server.py runs them on an engine thread); Request.cancelled may
-    be set from anywhere.
+    add() and step() from one thread (server.py runs them on an engine thread); Request.cancelled
+    may be set from anywhere.
 
     The scheduler (scheduler.py) holds the queue and decides which chunks start and whom a dry pool
     costs; the host starts them on the runner and frees what it is handed back. stats counts what
-    the engine did (passes in which a row ran, rows, preemptions, replayed rows, the most requests in
-    flight, LM-head calls and the tokens they sampled; the slot runner adds its own)."""
+    the engine did (passes in which a row ran, rows, preemptions, replayed rows, the most requests
+    in flight, LM-head calls and the tokens they sampled; the slot runner adds its own)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
                  head="eager", runner="eager", **options):
@@ -148,10 +150,10 @@ class Engine:
 
     @torch.inference_mode()
     def step(self):
-        """Schedule, run, take what the run did: start the chunks the scheduler hands over (admitting
-        requests, preempting when the pool runs dry), let the runner apply the block (App. A.2: every
-        in-flight row, whatever its depth), then read its log: exits, tokens, Eq. 11 on the host's
-        tables, endings. Returns [(request, token)] delivered."""
+        """Schedule, run, take what the run did: start the chunks the scheduler hands over
+        (admitting requests, preempting when the pool runs dry), let the runner apply the block
+        (App. A.2: every in-flight row, whatever its depth), then read its log: exits, tokens,
+        Eq. 11 on the host's tables, endings. Returns [(request, token)] delivered."""
         sampled, self.early = self.early, []
         self._drop_cancelled()
         self._start_chunks()                     # admit, start prompt, replay and decode chunks
@@ -182,14 +184,15 @@ class Engine:
 
     def _take(self, logs):
         """What the runner's passes did, pass by pass (rows.Log): each decided exit kept until its
-        position is done (a replayed position keeps the one it had), each stopped row counted off, each
-        token delivered, each restart in place noted; after each pass the requests it touched settle
-        (their positions done, their end: a request cancelled or ended in a pass takes nothing from the
-        passes after it); at the end the stops go into the host's tables (Eq. 11). Returns
-        [(request, token)] delivered."""
+        position is done (a replayed position keeps the one it had), each stopped row counted off,
+        each token delivered, each restart in place noted; after each pass the requests it touched
+        settle (their positions done, their end: a request cancelled or ended in a pass takes
+        nothing from the passes after it); at the end the stops go into the host's tables (Eq. 11).
+        Returns [(request, token)] delivered."""
         sampled, stopped = [], set()
         for log in logs:
-            ran = sum(n for s, n in log.ran if s.seq is not None)     # rows of the requests that still run
+            # rows of the requests that still run
+            ran = sum(n for s, n in log.ran if s.seq is not None)
             self.stats["passes"] += ran > 0
             self.stats["rows"] += ran
             touched = set()
@@ -204,7 +207,8 @@ class Engine:
                     stopped.add(s)
                 if tok >= 0 and not s.req.cancelled:
                     sampled.append(self._deliver(s, tok, logits))
-                if go:                       # its positions so far are done; the next one runs in the row's place
+                # its positions so far are done; the next one runs in the row's place
+                if go:
                     s.rows, s.done, s.started = s.rows + 1, pos + 1, pos + 2
                 touched.add(s)
             for s in touched:
@@ -296,8 +300,8 @@ class Engine:
             self._finish(s, "error", error)
 
     def check(self):
-        """Page invariants of the pool and of every live sequence, the running decode depths against a
-        recount, and the runner's own (tests call it after every step). The results of passes not
+        """Page invariants of the pool and of every live sequence, the running decode depths against
+        a recount, and the runner's own (tests call it after every step). The results of passes not
         read yet are read first (the next step returns their tokens)."""
         with torch.inference_mode():
             self.early += self._take(self.runner.flush())
@@ -312,8 +316,8 @@ class Engine:
         self.runner.check()
 
 
-def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto", head="auto",
-               engine="auto", sampling=None):
+def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
+               head="auto", engine="auto", sampling=None):
     """The engine for this device. "auto": the slot runner with CUDA graphs where graphs can be
     captured (a GPU), where the eager runner waits on the host; the eager runner on a CPU, where it
     is the faster (it gathers only the keys each row reads; docs/benchmarks.md), and for what the
@@ -345,10 +349,11 @@ class EagerRunner:
     def __init__(self, engine, attn, head):
         self.e, self.model, self.U, self.device = engine, engine.model, engine.U, engine.device
         self.attn, self.head, self.pending = attn, head, HeadQueue()
-        # the "shared" head's cost model: the weight bytes a block pass and a head call read (decode is
-        # weight-bound: a call costs about the same for 1 row as for 8)
+        # the "shared" head's cost model: the weight bytes a block pass and a head call read (decode
+        # is weight-bound: a call costs about the same for 1 row as for 8)
         self.w_block, self.w_head = weight_bytes(self.model)
-        self.last_pass, self.last_passes = [], 0   # (request, rows, is decode) of the last step's passes, and how many
+        # (request, rows, is decode) of the last step's passes, and how many
+        self.last_pass, self.last_passes = [], 0
 
     # ------------------------------------------------------------------ what differs by design
 
@@ -513,32 +518,34 @@ class EagerRunner:
 
     def _log(self, rows, pages, tokens):
         """The step's Logs: a pass's rows (a fixed wave: its passes, the rows at every depth, their
-        exits in the last), and the tokens sampled, each at its row (a row that waited for a shared head
-        call: an entry of its own, at depth 0)."""
+        exits in the last), and the tokens sampled, each at its row (a row that waited for a shared
+        head call: an entry of its own, at depth 0)."""
         sampled = {(s, pos): (tok, lg if s.req.keep_logits else None) for s, pos, tok, lg in tokens}
         said = []
         for g, pos, _, newly, stopped in rows:          # g.d: the 1-based depth of the last pass
             tok, lg = sampled.pop((g.live, pos), (-1, None))
             if newly or stopped or tok >= 0:
                 said.append(Said(g.live, pos, g.d, g.d if newly else 0, tok, stopped, False, lg))
-        said += [Said(s, pos, 0, 0, tok, False, False, lg) for (s, pos), (tok, lg) in sampled.items()]
+        said += [Said(s, pos, 0, 0, tok, False, False, lg)
+                 for (s, pos), (tok, lg) in sampled.items()]
         ran = {}
         for g, *_ in rows:
             ran[g.live] = ran.get(g.live, 0) + 1
         return [Log(list(ran.items()), [])] * (len(pages) - 1) + [Log(list(ran.items()), said)]
 
     def _head_rows(self, groups, exited):
-        """The exited rows [(Live, position, normed state)] that take the LM head now. "eager": all of
-        them. "shared": they join the waiting rows, and all go together when one has waited its limit,
-        when nothing else would run next pass, or when waiting costs more than the call it saves.
-        What a wait costs: while requests queue, each waiting row idles its slot of the batch (about
-        w_block / max_batch a pass, against w_head for a call), so no row waits more than MAX_WAIT
-        passes. With no queue, nothing, unless the waiting request ends up the last one to finish:
-        then each pass it waited is one more pass of the batch (w_block). So rows wait only where a
-        call costs more than a pass, and only while one more pass of waiting leaves their request
-        short of the one that ends the batch (passes left, waits included); they wait for its row
-        (at most U passes: it exits within U) and share its call."""
-        if self.head == "eager" or self.e.scheduler.kind == "fixed":   # a fixed wave's rows all exit on its last pass
+        """The exited rows [(Live, position, normed state)] that take the LM head now. "eager": all
+        of them. "shared": they join the waiting rows, and all go together when one has waited its
+        limit, when nothing else would run next pass, or when waiting costs more than the call it
+        saves. What a wait costs: while requests queue, each waiting row idles its slot of the batch
+        (about w_block / max_batch a pass, against w_head for a call), so no row waits more than
+        MAX_WAIT passes. With no queue, nothing, unless the waiting request ends up the last one to
+        finish: then each pass it waited is one more pass of the batch (w_block). So rows wait only
+        where a call costs more than a pass, and only while one more pass of waiting leaves their
+        request short of the one that ends the batch (passes left, waits included); they wait for
+        its row (at most U passes: it exits within U) and share its call."""
+        # a fixed wave's rows all exit on its last pass
+        if self.head == "eager" or self.e.scheduler.kind == "fixed":
             return exited
         self.pending.join(exited)
         waits = self.pending.waits()
@@ -560,29 +567,32 @@ class EagerRunner:
 
     def _passes_expected(self, s):
         """Passes a running request is expected to need still (an estimate, where the slot runner's
-        passes_left is a bound): tokens to go x the passes each of its decode tokens took so far (its
-        mean decode depth, plus what its rows waited for the head)."""
+        passes_left is a bound): tokens to go x the passes each of its decode tokens took so far
+        (its mean decode depth, plus what its rows waited for the head)."""
         total, n = s.decode_depths
-        return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n else n_run(s.req, self.U))
+        return (s.req.max_tokens - len(s.req.tokens)) * ((total + s.waited) / n if n
+                                                         else n_run(s.req, self.U))
 
     def _sample(self, rows):
-        """The LM head on the rows [(Live, position, normed state)] whose exit samples their request's
-        next token (one call for all), and the sampling, each request keyed by its seed and the
-        position. Returns [(Live, position, token, logits)]."""
+        """The LM head on the rows [(Live, position, normed state)] whose exit samples their
+        request's next token (one call for all), and the sampling, each request keyed by its seed
+        and the position. Returns [(Live, position, token, logits)]."""
         if not rows:
             return []
         logits = self.model.lm_head(torch.stack([h for _, _, h in rows]))
         self.e.stats["head_calls"] += 1
-        greedy = logits.argmax(-1).tolist()                   # temperature 0, for every row in one call
+        # temperature 0, for every row in one call
+        greedy = logits.argmax(-1).tolist()
         out = []
         for (s, pos, _), lg, top in zip(rows, logits, greedy):
             r = s.req
-            tok = top if r.temperature == 0 else sample_token(lg, r.temperature, r.top_k, r.top_p, r.seed, pos)
+            tok = top if r.temperature == 0 else sample_token(lg, r.temperature, r.top_k, r.top_p,
+                                                              r.seed, pos)
             out.append((s, pos, tok, lg.detach().cpu()))
         return out
 
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "serve with `python server.py --ckpt out/`, sample with `python sample.py --ckpt out/`, "
-            "benchmark with `python -m lab.bench --what=engine`")
+    library(__doc__, "serve with `python server.py --ckpt out/`, sample with `python sample.py "
+            "--ckpt out/`, benchmark with `python -m lab.bench --what=engine`")

@@ -44,25 +44,30 @@ MAX_HEAD = 32 << 10                       # bytes of one request's line and head
 class Server:
     """The engine thread and what the HTTP threads share with it: an inbox of new requests."""
 
-    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None, start=(0,)):
+    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None,
+                 start=(0,)):
         self.engine, self.encode, self.decode, self.name, self.chat, self.eos = engine, encode, decode, name, chat, eos
         self.start = list(start)          # what an empty prompt means (tokenizer.start_of_text)
         self.inbox, self.cv, self.stopping = deque(), threading.Condition(), False
         self.dead = None                  # why the engine thread stopped, if it ever does
-        self.draining = False             # stopping: no new request, the running ones finish (drain)
+        # stopping: no new request, the running ones finish (drain)
+        self.draining = False
         self.cut = None                   # why the requests still running at the drain's end fail
-        self.responding = 0               # HTTP responses under way (the drain waits for their last bytes)
-        self.drain_seconds = 30.0         # how long a stopping server lets them run (--drain_timeout)
+        # HTTP responses under way (the drain waits for their last bytes)
+        self.responding = 0
+        # how long a stopping server lets them run (--drain_timeout)
+        self.drain_seconds = 30.0
         self.verbose = False
         self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
 
     def submit(self, reqs):
         with self.cv:
             if self.dead:
-                raise BadRequest(f"the engine has stopped ({self.dead}); restart the server", status=503)
+                raise BadRequest(f"the engine has stopped ({self.dead}); restart the server",
+                                 status=503)
             if self.draining:
-                raise BadRequest("the server is stopping; retry in a moment (on another server)", status=503,
-                                 retry_after=5)
+                raise BadRequest("the server is stopping; retry in a moment (on another server)",
+                                 status=503, retry_after=5)
             self.inbox.extend(reqs)
             self.responding += 1
             self.cv.notify()
@@ -83,7 +88,8 @@ class Server:
 
     def serve_engine(self):
         """Take new requests, step the engine, repeat. A request the engine refuses fails alone; an
-        error inside a step fails the requests of that step (their pages come back) and is logged."""
+        error inside a step fails the requests of that step (their pages come back) and is
+        logged."""
         while True:
             with self.cv:
                 while not self.inbox and not self.engine.busy() and not self.stopping and not self.cut:
@@ -91,7 +97,8 @@ class Server:
                 if self.stopping:
                     return
                 new, self.inbox = list(self.inbox), deque()
-            if self.cut:                  # the drain's end: every request left ends with an error it can read
+            # the drain's end: every request left ends with an error it can read
+            if self.cut:
                 for r in new:
                     r.finish_reason, r.error = "error", self.cut
                     r.on_token(r, None)
@@ -111,7 +118,8 @@ class Server:
             try:
                 self.engine.step()
             except Exception as e:
-                print(f"engine error: {type(e).__name__}: {e}; the requests of this step fail", file=sys.stderr)
+                print(f"engine error: {type(e).__name__}: {e}; the requests of this step fail",
+                      file=sys.stderr)
                 self.engine.fail_running(f"engine error: {type(e).__name__}")
 
     def stop(self):
@@ -127,13 +135,14 @@ class Server:
 
     def drain(self, seconds, why):
         """A graceful stop, a line on stderr a stage: no new request (503, Retry-After; /health says
-        draining), the admitted ones run for up to `seconds`, then those left end with an error their
-        clients read (a last chunk with finish_reason "error", then data: [DONE]); it returns once every
-        response has sent its last bytes (or a few seconds more have passed)."""
+        draining), the admitted ones run for up to `seconds`, then those left end with an error
+        their clients read (a last chunk with finish_reason "error", then data: [DONE]); it returns
+        once every response has sent its last bytes (or a few seconds more have passed)."""
         with self.cv:
             self.draining = True
             queued = len(self.inbox) + len(self.engine.scheduler.waiting)
-            print(f"stopping ({why}): no new requests; {len(self.engine.scheduler.running)} running and {queued} "
+            print(f"stopping ({why}): no new requests; {len(self.engine.scheduler.running)} "
+                  f"running and {queued} "
                   f"waiting may finish within {seconds:g} s", file=sys.stderr, flush=True)
             deadline = time.monotonic() + seconds
             while self.responding and not self.dead and time.monotonic() < deadline:
@@ -141,7 +150,8 @@ class Server:
             left = self.responding
             if left:
                 self.cut = f"the server stopped ({why}) before this request finished"
-                print(f"drain time over: {left} response(s) end with an error", file=sys.stderr, flush=True)
+                print(f"drain time over: {left} response(s) end with an error", file=sys.stderr,
+                      flush=True)
                 self.cv.notify_all()
             deadline = time.monotonic() + 5
             while self.responding and time.monotonic() < deadline:
@@ -152,8 +162,9 @@ class Server:
 def exit_summary(r, U):
     de = r.decode_exits
     return {"avg_decode_depth": sum(de) / len(de) if de else None,
-            "avg_prefill_depth": sum(r.prompt_exits) / len(r.prompt_exits) if r.prompt_exits else None,
-            **exit_stats(de, U), "mode": r.mode, "thr": None if r.mode == "fixed" else r.thr}
+            "avg_prefill_depth": sum(r.prompt_exits) / len(r.prompt_exits) if r.prompt_exits
+            else None, **exit_stats(de, U), "mode": r.mode, "thr": None if r.mode == "fixed"
+            else r.thr}
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -183,12 +194,13 @@ class Choices:
             self.texts[i] = text
 
     def unsent(self, i):
-        """Text of choice i not streamed yet. While the choice runs, a tail that may be the start of a
-        stop string is held back (the next tokens say whether it is: a stream never shows what the
+        """Text of choice i not streamed yet. While the choice runs, a tail that may be the start of
+        a stop string is held back (the next tokens say whether it is: a stream never shows what the
         stop removes), and so is a tail that ends in half a character."""
         text, end = self.texts[i], len(self.texts[i])
         if self.finish[i] is None:
-            end -= max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])], default=0)
+            end -= max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])],
+                       default=0)
             if text[:end].endswith("\ufffd"):
                 end = self.sent[i]
         new = text[self.sent[i]:max(end, self.sent[i])]
@@ -201,20 +213,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
     talks to (make_handler sets it; `server` is the socket server's own)."""
     app = None
     protocol_version = "HTTP/1.1"
-    timeout = 15                          # seconds a request may stall while it arrives: a half-sent one is let go
-    deadline = 20                         # seconds a whole request (its line, headers and body) may take to arrive
+    # seconds a request may stall while it arrives: a half-sent one is let go
+    timeout = 15
+    # seconds a whole request (its line, headers and body) may take to arrive
+    deadline = 20
     write_timeout = 60                    # seconds a response may wait on a slow reader
 
     def handle(self):
         try:
             super().handle()
-        except (BrokenPipeError, ConnectionResetError, TimeoutError, OSError):   # the client went away, or was let go
+        except (BrokenPipeError, ConnectionResetError, TimeoutError, OSError):
+            # the client went away, or was let go
             self.close_connection = True
 
     def handle_one_request(self):
         """One request, which must have arrived whole within `deadline` seconds, however slowly it
-        trickles (the per-read timeout alone lets a client hold its connection by sending a byte at a
-        time): past it the connection is shut and its slot freed. The clock stops once the body is read."""
+        trickles (the per-read timeout alone lets a client hold its connection by sending a byte at
+        a time): past it the connection is shut and its slot freed. The clock stops once the body is
+        read."""
         self.clock = threading.Timer(self.deadline, self.let_go)
         self.clock.start()
         try:
@@ -229,8 +245,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def parse_request(self):
-        """The standard library's parsing, and: an HTTP/1.x request line only (a line without a version
-        is not HTTP/0.9 here: it is answered 400 with a status line), headers of at most MAX_HEAD bytes."""
+        """The standard library's parsing, and: an HTTP/1.x request line only (a line without a
+        version is not HTTP/0.9 here: it is answered 400 with a status line), headers of at most
+        MAX_HEAD bytes."""
         if not super().parse_request():
             return False
         if self.request_version == "HTTP/0.9":
@@ -256,31 +273,34 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error(self, code, message=None, explain=None):
-        """The standard library's own errors (an unknown method: 501, a malformed request line: 400),
-        as the API's JSON errors, not its HTML page."""
+        """The standard library's own errors (an unknown method: 501, a malformed request line:
+        400), as the API's JSON errors, not its HTML page."""
         self.close_connection = True
-        self.request_version = "HTTP/1.1"       # a status line, even for a line that was not HTTP at all
+        # a status line, even for a line that was not HTTP at all
+        self.request_version = "HTTP/1.1"
         try:
             self.send_error_json(BadRequest(message or http.HTTPStatus(code).phrase, status=code))
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
 
     def send_error_json(self, e):
-        self.send_json({"error": {"message": str(e), "type": "invalid_request_error", "param": e.param,
-                                  "code": e.code}}, e.status,
+        self.send_json({"error": {"message": str(e), "type": "invalid_request_error",
+                                  "param": e.param, "code": e.code}}, e.status,
                        [("Retry-After", str(e.retry_after))] if e.retry_after is not None else ())
 
     def do_GET(self):
         self.clock.cancel()
-        engine, path = self.app.engine, urllib.parse.urlsplit(self.path).path      # a query string routes as without
+        # a query string routes as without
+        engine, path = self.app.engine, urllib.parse.urlsplit(self.path).path
         if path == "/health":
             status = f"engine stopped: {self.app.dead}" if self.app.dead else "draining" if self.app.draining else "ok"
             self.send_json({"status": status, "running": len(engine.scheduler.running),
-                            "waiting": len(engine.scheduler.waiting), "free_pages": len(engine.pool.free)},
+                            "waiting": len(engine.scheduler.waiting),
+                            "free_pages": len(engine.pool.free)},
                            200 if status == "ok" else 503)
         elif path == "/v1/models":
-            self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model", "created": 0,
-                                                        "owned_by": "looped-lm"}]})
+            self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model",
+                                                        "created": 0, "owned_by": "looped-lm"}]})
         else:
             self.send_error_json(BadRequest(f"no route GET {self.path}", status=404))
 
@@ -291,12 +311,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise BadRequest(f"Content-Type {kind!r}: send application/json", status=415)
         raw = self.headers.get("Content-Length")
         if raw is None or not raw.strip().isdigit():
-            self.close_connection = True      # the body's end is unknown: this connection cannot go on
+            # the body's end is unknown: this connection cannot go on
+            self.close_connection = True
             raise BadRequest(f"Content-Length {raw!r}: give the body's length in bytes",
                              status=411 if raw is None else 400)
         if int(raw) > MAX_BODY:
             self.close_connection = True
-            raise BadRequest(f"a body of {int(raw)} bytes; at most {MAX_BODY} are accepted", status=413)
+            raise BadRequest(f"a body of {int(raw)} bytes; at most {MAX_BODY} are accepted",
+                             status=413)
         try:
             return json.loads(self.rfile.read(int(raw)) or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -313,7 +335,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if path not in ("/v1/completions", "/v1/chat/completions"):
                 raise BadRequest(f"no route POST {self.path}", status=404)
             if self.app.dead:
-                raise BadRequest(f"the engine has stopped ({self.app.dead}); restart the server", status=503)
+                raise BadRequest(f"the engine has stopped ({self.app.dead}); restart the server",
+                                 status=503)
             body = self.read_body()
             self.clock.cancel()
             self.connection.settimeout(self.write_timeout)
@@ -327,7 +350,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         try:
             self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat, usage)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):   # the client went away: free its pages
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            # the client went away: free its pages
             for r in reqs:
                 r.cancelled = True
             with self.app.cv:
@@ -360,12 +384,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 if new:
                     self.event(head, i, new, chat)
                 if choices.finish[i] is not None:
-                    self.event(head, i, "", chat, choices.finish[i], {"error": r.error} if r.error else
-                               {"exit_stats": exit_summary(r, U), **({"note": r.note} if r.note else {})})
-            if tok is None and r.note:            # the pool ran dry under it: its tokens so far are its answer
+                    self.event(head, i, "", chat, choices.finish[i], {"error": r.error}
+                               if r.error else
+                               {"exit_stats": exit_summary(r, U),
+                                **({"note": r.note} if r.note else {})})
+            # the pool ran dry under it: its tokens so far are its answer
+            if tok is None and r.note:
                 print(f"{head['id']} choice {i}: {r.note}", file=sys.stderr)
         n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
-        counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+        counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                  "total_tokens": n_prompt + n_new}
         if stream:
             if usage:
                 self.chunk(f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n".encode())
@@ -377,16 +405,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
             c = {"index": i, "finish_reason": choices.finish[i], "exit_stats": exit_summary(r, U),
                  "tokens": r.tokens[:choices.n_tok[i]], **({"note": r.note} if r.note else {})}
             text = choices.texts[i]
-            c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text, "logprobs": None})
+            c.update({"message": {"role": "assistant", "content": text}} if chat
+                     else {"text": text, "logprobs": None})
             out.append(c)
         de = [e for r in reqs for e in r.decode_exits]
         self.send_json({**head, "choices": out, "usage": counts,
-                        "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None, **exit_stats(de, U)}})
+                        "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None,
+                                       **exit_stats(de, U)}})
 
     def start_stream(self, head, n, chat):
-        """Server-sent events in chunked transfer encoding: a stream that ends without its last (empty)
-        chunk was cut, which a client's HTTP library says (a stream delimited by closing the connection
-        would end the same either way)."""
+        """Server-sent events in chunked transfer encoding: a stream that ends without its last
+        (empty) chunk was cut, which a client's HTTP library says (a stream delimited by closing the
+        connection would end the same either way)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -400,7 +430,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def event(self, head, i, delta, chat, reason=None, extra=None):
         if chat:
-            choice = {"index": i, "delta": {"content": delta} if delta else {}, "finish_reason": reason}
+            choice = {"index": i, "delta": {"content": delta} if delta else {},
+                      "finish_reason": reason}
         else:
             choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
         choice.update(extra or {})
@@ -420,10 +451,11 @@ class HTTPServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
     max_connections = 256
     per_address = 192
-    busy_body = json.dumps({"error": {"message": "too many connections; retry", "type": "server_error", "param": None,
+    busy_body = json.dumps({"error": {"message": "too many connections; retry",
+                                      "type": "server_error", "param": None,
                                       "code": None}}).encode()
-    busy = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(busy_body), busy_body))
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: "
+            b"close\r\n" b"Content-Length: %d\r\n\r\n%s" % (len(busy_body), busy_body))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -466,15 +498,16 @@ def make_handler(server):
     return type("BoundHandler", (Handler,), {"app": server})
 
 
-def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="looped-lm", chat=False, eos=None,
-          start=(0,)):
+def serve(engine, host="127.0.0.1", port=8000, encode=None, decode=None, name="looped-lm",
+          chat=False, eos=None, start=(0,)):
     """Start the engine thread and an HTTP server (not yet serving: call .serve_forever()). Returns
     (http server, Server)."""
     server = Server(engine, encode, decode, name, chat, eos, start)
     try:
         httpd = HTTPServer((host, port), make_handler(server))
     except socket.gaierror as e:
-        raise UserError(f"--host={host}: not an address or a host name this machine knows ({e.strerror or e})", "host")
+        raise UserError(f"--host={host}: not an address or a host name this machine knows "
+                        f"({e.strerror or e})", "host")
     except OSError as e:
         if e.errno == errno.EADDRNOTAVAIL:
             raise UserError(f"--host={host}: not an address of this machine ({e.strerror})", "host")
@@ -502,8 +535,8 @@ DEFAULTS = dict(
     verbose=False,         # log every HTTP request
     drain_timeout=30.0,    # seconds a stopping server (SIGTERM, SIGINT) lets admitted requests finish; then they end
 )
-RULES = dict(port="in [0, 65535]", drain_timeout=">= 0", kv_pages=">= 0", kv_memory=">= 0", max_batch=">= 1",
-             max_rows=">= 1",
+RULES = dict(port="in [0, 65535]", drain_timeout=">= 0", kv_pages=">= 0", kv_memory=">= 0",
+             max_batch=">= 1", max_rows=">= 1",
              scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (they would do nothing)
 NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
@@ -521,23 +554,27 @@ def start(argv):
                         f"({cfg.n_loops} pages)")
     chat = encode is not None and has_chat(meta)
     started = time.perf_counter()           # a graph engine compiles and captures its passes here
-    engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"], c["head"], c["engine"])
+    engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"],
+                        c["head"], c["engine"])
     ready = time.perf_counter() - started
     name = os.path.basename(os.path.normpath(c["ckpt"]))
-    httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos, start_of_text(meta))
+    httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos,
+                          start_of_text(meta))
     server.verbose, server.drain_seconds = c["verbose"], c["drain_timeout"]
-    print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on http://{c['host']}:{httpd.server_address[1]}/v1; "
-          f"KV pool {pages} pages x {size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; "
-          f"scheduler {c['scheduler']}, max_batch {c['max_batch']}{', chat template' if chat else ''}; engine "
-          f"{type(engine).__name__} ready in {ready:.1f} s" + (f" ({len(engine.graphs.graphs)} graphs captured)"
+    print(f"serving {name} (L={cfg.n_layer}, U={cfg.n_loops}) on "
+          f"http://{c['host']}:{httpd.server_address[1]}/v1; KV pool {pages} pages x "
+          f"{size / 1024:.1f} KiB = {pages * size / 2**30:.2f} GiB; scheduler {c['scheduler']}, "
+          f"max_batch {c['max_batch']}{', chat template' if chat else ''}; engine "
+          f"{type(engine).__name__} ready in {ready:.1f} s" + (f" ({len(engine.graphs.graphs)} "
+                                                               "graphs captured)"
                                                               if getattr(engine, "graphs", None) else ""),
           file=sys.stderr)
     return httpd, server
 
 
 def main(argv):
-    """Serve until SIGTERM or SIGINT (what systemd, docker and Kubernetes send, and Ctrl-C), then stop
-    gracefully (Server.drain) and exit 0."""
+    """Serve until SIGTERM or SIGINT (what systemd, docker and Kubernetes send, and Ctrl-C), then
+    stop gracefully (Server.drain) and exit 0."""
     httpd, server = start(argv)
     stop = threading.Event()
     why = []

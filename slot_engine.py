@@ -35,11 +35,11 @@ from kernels import splits_for
 from modes import MODES, decode_rule, keeps_one_depth, n_run, position_rules
 from request import seed_bits
 from rows import Log, Said
-from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, can_capture, compiled_pass,
-                       run_pass, sampling_kind)
+from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, can_capture,
+                       compiled_pass, run_pass, sampling_kind)
 
 
-# ----------------------------------------------------------------------------- passes a request still needs
+# --------------------------------------------------------------------- passes a request still needs
 # The runner launches passes before it reads what earlier ones did: how many passes a request's
 # remaining tokens may take, with `pending` passes run but not read yet.
 
@@ -52,23 +52,24 @@ def per_token(r, U):
 
 
 def surely_done(s, pending, U):
-    """Whether s may have sampled its last token within `pending` passes not read yet (each token takes
-    at least its fewest passes)."""
+    """Whether s may have sampled its last token within `pending` passes not read yet (each token
+    takes at least its fewest passes)."""
     return s.ending or len(s.req.tokens) + pending // per_token(s.req, U)[0] >= s.req.max_tokens
 
 
 def passes_sure(s, pending, U):
     """The passes in which s surely still runs a row, after `pending` passes not read yet: a request
     with tokens to come always has a row running, its current token takes at least one more pass and
-    each later one at least its fewest; a prompt or replay still to run: one (its next chunk waits)."""
+    each later one at least its fewest; a prompt or replay still to run: one (its next chunk
+    waits)."""
     if s.done < s.host_end:
         return 1 - pending
     return (s.req.max_tokens - len(s.req.tokens) - 1) * per_token(s.req, U)[0] + 1 - pending
 
 
 def passes_left(s, pending, U):
-    """The most passes s may still run after `pending` passes not read yet: its tokens to come, each at
-    most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
+    """The most passes s may still run after `pending` passes not read yet: its tokens to come, each
+    at most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
     replay still to run: one pass at a time."""
     if s.done < s.host_end:
         return 1
@@ -82,42 +83,47 @@ class Ticket:
 
     def __init__(self, launched, first, copies, landed):
         self.launched, self.first, self.copies, self.landed = launched, first, copies, landed
-        self.since = []           # ("perm", permutation) | ("start", row slots, request slot) | ("free", slot)
+        # ("perm", permutation) | ("start", row slots, request slot) | ("free", slot)
+        self.since = []
 
 
 # ----------------------------------------------------------------------------- the runner
 
 class SlotRunner:
-    """serve_depthbatch.Engine's runner on the device, over Slots and run_pass. A step launches up to
-    `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a prompt
-    has chunks to start) and, with overlap, reads the log of the step before while they run
+    """serve_depthbatch.Engine's runner on the device, over Slots and run_pass. A step launches up
+    to `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a
+    prompt has chunks to start) and, with overlap, reads the log of the step before while they run
     (overlap=False: its own, at once, the eager runner's order of passes exactly). graphs: capture
     every bucket as a CUDA graph when the engine starts, for each kind of pass and each of the
-    `sampling` draws (slot_pass.SAMPLING; a draw left out is captured on its first use); fuse: compile
-    the pass whole (compiled_pass); "auto": all three where slot_pass can capture graphs (CUDA). On a
-    CPU the passes run in the host's own thread: nothing overlaps, and a late read would only leave the
-    host an older copy of the rows (larger buckets). The model is frozen and its projections stacked
-    (four GEMMs a layer: LoopedLM.fuse_projections)."""
+    `sampling` draws (slot_pass.SAMPLING; a draw left out is captured on its first use); fuse:
+    compile the pass whole (compiled_pass); "auto": all three where slot_pass can capture graphs
+    (CUDA). On a CPU the passes run in the host's own thread: nothing overlaps, and a late read
+    would only leave the host an older copy of the rows (larger buckets). The model is frozen and
+    its projections stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
 
-    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto", overlap="auto",
-                 keep_logits=False, n_stop=8, sampling=SAMPLING):
+    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto",
+                 overlap="auto", keep_logits=False, n_stop=8, sampling=SAMPLING):
         if engine.scheduler.kind == "nested":
-            raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager", "scheduler")
+            raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager",
+                            "scheduler")
         if attn == "flex":
-            raise UserError("--attn=flex builds its mask on the host; the slot runner reads torch or triton", "attn")
+            raise UserError("--attn=flex builds its mask on the host; the slot runner reads torch "
+                            "or triton", "attn")
         if head != "eager":
-            raise UserError(f"--head={head}: the slot runner runs the LM head on every pass (--engine=eager shares "
-                            "it)", "head")
+            raise UserError(f"--head={head}: the slot runner runs the LM head on every pass "
+                            "(--engine=eager shares it)", "head")
         self.e, self.U, self.device, self.attn = engine, engine.U, engine.device, attn
         self.depths = torch.arange(self.U)[None, :]
-        # frozen: no parameter that requires grad reaches a compiled pass (autograd would trace a joint
-        # graph, and the survive update of Eq. 4 in place would fail it)
+        # frozen: no parameter that requires grad reaches a compiled pass (autograd would trace a
+        # joint graph, and the survive update of Eq. 4 in place would fail it)
         self.model = engine.model.requires_grad_(False).fuse_projections()
         self.sync_every, self.due_every = sync_every, due_every
-        # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits for their log
+        # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits
+        # for their log
         R, S, n_keys = engine.scheduler.max_rows + 2 * engine.scheduler.max_batch, 2 * engine.scheduler.max_batch, \
             self.model.config.block_size
-        self.slots = Slots(self.model, engine.pool, R, S, n_keys, max(sync_every, self.U), n_stop, keep_logits)
+        self.slots = Slots(self.model, engine.pool, R, S, n_keys, max(sync_every, self.U), n_stop,
+                           keep_logits)
         self.n_splits = lambda R: splits_for(R * self.model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
         capture = can_capture(self.device)
         self.graphs = Graphs(self.slots.buffers) if (capture if graphs == "auto" else graphs) else None
@@ -125,46 +131,53 @@ class SlotRunner:
         self.overlap = capture if overlap == "auto" else overlap
         self.upload, self.download = Upload(self.device), Download(self.device)
         self.by_slot, self.free_slots, self.freed = [None] * S, list(range(S - 1, -1, -1)), []
-        # the host's copy of the rows, as of the last log read and its own writes since: which are live
-        # (running or holding a token), of which request slot, how many run; and what it will write
+        # the host's copy of the rows, as of the last log read and its own writes since: which are
+        # live (running or holding a token), of which request slot, how many run; and what it will
+        # write
         self.live = torch.zeros(self.slots.R, dtype=torch.bool)
         self.row_req = torch.full((self.slots.R,), S, dtype=torch.long)
         self.slots_active, self.R_now, self.restarted = 0, 2, set()
-        self._admits, self._rows, self._pages, self._perm = [], [], [], None     # the host's writes of this step
+        # the host's writes of this step
+        self._admits, self._rows, self._pages, self._perm = [], [], [], None
         self.ticket, self.passes_run = None, 0
-        # launched: passes, idle ones too (passes with rows: the host's count); waits: log reads that waited
-        # for the device; drained: passes whose log was read with no pass launched behind them (the device
-        # then waits for the host)
+        # launched: passes, idle ones too (passes with rows: the host's count); waits: log reads
+        # that waited for the device; drained: passes whose log was read with no pass launched
+        # behind them (the device then waits for the host)
         engine.stats.update(launched=0, waits=0, drained=0)
-        if self.graphs is not None:       # every kind of pass it runs, now: serving never stalls on a first use
+        # every kind of pass it runs, now: serving never stalls on a first use
+        if self.graphs is not None:
             buckets = sorted({bucket(n, R) for n in range(1, R + 1)})
-            heads = (True,) if engine.scheduler.kind != "fixed" or self.U == 1 else (False, True)   # a wave: both
-            self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads for k in sampling], self._pass)
+            # a wave: both
+            heads = (True,) if engine.scheduler.kind != "fixed" or self.U == 1 else (False, True)
+            self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads
+                                     for k in sampling], self._pass)
 
-    # ------------------------------------------------------------------ the contract: what differs by design
+    # --------------------------------------------------------- the contract: what differs by design
 
     def refuse(self, r):
         """What the eager runner alone runs: the Table 17 caches; more stop ids than the slots hold;
         logits kept without keep_logits (UserError, nothing queued)."""
         st = self.slots
         if keeps_one_depth(r):
-            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager engine (--engine=eager)", "mode")
+            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager engine "
+                            "(--engine=eager)", "mode")
         if len(r.stop) > st.stop_ids.shape[1]:
-            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most {st.stop_ids.shape[1]}", "stop")
+            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most "
+                            f"{st.stop_ids.shape[1]}", "stop")
         if r.keep_logits and st.logits is None:
             raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
 
     def ready(self, s):
         """The host starts a request's prompt and replay chunks; its decode tokens restart on the
-        device, and one that restarted in the last pass read counts against the budget of the requests
-        after it, as the eager runner's decode chunk would."""
+        device, and one that restarted in the last pass read counts against the budget of the
+        requests after it, as the eager runner's decode chunk would."""
         if s in self.restarted:
             return "started"
         return None if s.rows or s.done >= s.host_end else "chunk"
 
     def budget(self):
-        """Rows running (those restarted in the last pass read count at their request: ready), and the
-        free pages (a position's pages are all taken before it runs)."""
+        """Rows running (those restarted in the last pass read count at their request: ready), and
+        the free pages (a position's pages are all taken before it runs)."""
         self.restarted &= set(self.e.scheduler.running)
         return self.slots_active - len(self.restarted), len(self.e.pool.free)
 
@@ -182,15 +195,17 @@ class SlotRunner:
         s.host_end = s.runnable()
         tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
-        self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens, dec_n_run=n_run(r, self.U),
-                                          horizon=-1, stop_ids=stop, dec_tau=tau, dec_full=full, ended=s.ending,
-                                          seed=seed_bits(r.seed), top_k=r.top_k, temperature=r.temperature,
-                                          top_p=r.top_p)))
+        self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens,
+                                          dec_n_run=n_run(r, self.U),
+                                          horizon=-1, stop_ids=stop, dec_tau=tau, dec_full=full,
+                                          ended=s.ending,
+                                          seed=seed_bits(r.seed), top_k=r.top_k,
+                                          temperature=r.temperature, top_p=r.top_p)))
 
     def start(self, s, end):
-        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with the
-        pages of every depth they may run; the last position of the context samples the next token.
-        False if taking the pages preempted s itself."""
+        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with
+        the pages of every depth they may run; the last position of the context samples the next
+        token. False if taking the pages preempted s itself."""
         r, start, m = s.req, s.done, n_run(s.req, self.U)
         if not self._reserve(s, start, end - 1):
             return False
@@ -199,9 +214,12 @@ class SlotRunner:
         free_rows = (~self.live).nonzero()[:, 0]
         assert len(free_rows) >= end - start, "more rows in flight than row slots"
         idx = free_rows[:end - start]
-        self._rows.append((idx, dict(tok=ctx[start:end], pos=list(range(start, end)), depth=0, req=s.slot, n_run=m,
-                                     forced=forced, exit=0, pend=-1, tau=taus, full=full, active=True,
-                                     sample=[p == len(ctx) - 1 for p in range(start, end)], fresh=True, hold=False)))
+        self._rows.append((idx, dict(tok=ctx[start:end], pos=list(range(start, end)), depth=0,
+                                     req=s.slot, n_run=m,
+                                     forced=forced, exit=0, pend=-1, tau=taus, full=full,
+                                     active=True,
+                                     sample=[p == len(ctx) - 1 for p in range(start, end)],
+                                     fresh=True, hold=False)))
         self.live[idx], self.row_req[idx] = True, s.slot
         self.slots_active += end - start
         if self.ticket is not None:
@@ -223,9 +241,10 @@ class SlotRunner:
         seq.block_evals -= len(pages)
 
     def drop(self, s):
-        """s ends or is preempted: the pages taken ahead for positions that never ran go back, its rows
-        go idle on the device (the padding request) and its table points at the scratch page. While
-        passes it ran in are unread, its slot waits for their log before another request takes it."""
+        """s ends or is preempted: the pages taken ahead for positions that never ran go back, its
+        rows go idle on the device (the padding request) and its table points at the scratch page.
+        While passes it ran in are unread, its slot waits for their log before another request takes
+        it."""
         seq, start = s.seq, min(s.started, s.seq.n)
         ahead = seq.real[start:seq.n]
         seq.pool.release(seq.table[start:seq.n][ahead].tolist(), seq)
@@ -268,14 +287,16 @@ class SlotRunner:
     # ------------------------------------------------------------------ a step
 
     def run(self):
-        """A step of depth batching on the device (App. A.2): reserve the pages the coming passes may
-        write, choose the bucket, send the host's writes, launch the passes, and read the log of the
-        passes launched before them (overlap: while these run). Returns the Logs of the passes read."""
+        """A step of depth batching on the device (App. A.2): reserve the pages the coming passes
+        may write, choose the bucket, send the host's writes, launch the passes, and read the log of
+        the passes launched before them (overlap: while these run). Returns the Logs of the passes
+        read."""
         waves = self._plan()
         ticket = self._launch(waves) if waves else None
         logs = []
         if self.ticket is not None:
-            logs += self._read(self.ticket, drained=ticket is None)   # the previous passes, while these run
+            # the previous passes, while these run
+            logs += self._read(self.ticket, drained=ticket is None)
         self.ticket = ticket
         if ticket is not None and not self.overlap:
             logs += self._read(ticket, drained=True)
@@ -283,46 +304,51 @@ class SlotRunner:
         return logs
 
     def _plan(self):
-        """The passes to launch, as waves: tuples of head flags (a fixed wave: the head on its last pass
-        only; otherwise one pass, the head on). As many as surely have a row in them, at most sync_every
-        (due_every while the host has a decision due); none when every request may have ended in the
-        passes not read yet (their log first)."""
+        """The passes to launch, as waves: tuples of head flags (a fixed wave: the head on its last
+        pass only; otherwise one pass, the head on). As many as surely have a row in them, at most
+        sync_every (due_every while the host has a decision due); none when every request may have
+        ended in the passes not read yet (their log first)."""
         pending = len(self.ticket.launched) if self.ticket is not None else 0
         running = self.e.scheduler.running
         if not self.live.any() or (pending and all(surely_done(s, pending, self.U) for s in running)):
             return []
         due = bool(self.e.scheduler.waiting) or any(s.done < s.host_end for s in running)
         most = 1 if due and not self.overlap else self.due_every if due else None
-        if self.e.scheduler.kind == "fixed":  # every live row starts a wave at depth 1, all of one depth
+        # every live row starts a wave at depth 1, all of one depth
+        if self.e.scheduler.kind == "fixed":
             m = self.wave()
-            left = max(passes_left(s, pending, self.U) for s in running)       # exact: a wave runs a whole token
-            waves = [(False,) * (m - 1) + (True,)] * max(1, min(self.slots.log_len, left, most or left) // m)
-        else:                    # no pass without a row in it: a chunk started now surely runs in the next
+            # exact: a wave runs a whole token
+            left = max(passes_left(s, pending, self.U) for s in running)
+            waves = [(False,) * (m - 1) + (True,)] * max(1, min(self.slots.log_len, left, most
+                                                                or left) // m)
+        else:
+            # no pass without a row in it: a chunk started now surely runs in the next
             fresh = {f["req"] for _, f in self._rows}
             sure = max(1 if s.slot in fresh else passes_sure(s, pending, self.U) for s in running)
             if pending and sure <= 0:
                 return []
             waves = [(True,)] * max(1, min(self.sync_every, sure, most or sure))
         self._reserve_ahead(pending + sum(len(w) for w in waves))
-        if self.e.scheduler.waiting:                  # a preemption left a request waiting: decide again after one wave
+        # a preemption left a request waiting: decide again after one wave
+        if self.e.scheduler.waiting:
             waves = waves[:1]
         self._choose_bucket(due=due)
         self._flush()
         return waves if self.live.any() else []
 
     def _reserve_ahead(self, n_passes):
-        """Pages for every position a decode row may reach in the coming passes (a row starts at most
-        one position a pass), every depth it may run; the oldest requests first. When the pool runs dry
-        the newest request is preempted, as by the eager runner."""
+        """Pages for every position a decode row may reach in the coming passes (a row starts at
+        most one position a pass), every depth it may run; the oldest requests first. When the pool
+        runs dry the newest request is preempted, as by the eager runner."""
         for s in list(self.e.scheduler.running):
             if s not in self.e.scheduler.running or s.ending or s.started < s.host_end:
                 continue
             self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
 
     def _reserve(self, s, first, last):
-        """Pages for positions first..last at every depth s may run, in its host table and (at the next
-        flush) in its device table; the device restarts a row only where pages are reserved. When the
-        pool runs dry the newest request is preempted (s itself, perhaps: then False)."""
+        """Pages for positions first..last at every depth s may run, in its host table and (at the
+        next flush) in its device table; the device restarts a row only where pages are reserved.
+        When the pool runs dry the newest request is preempted (s itself, perhaps: then False)."""
         m, sched, pool = n_run(s.req, self.U), self.e.scheduler, self.e.pool
         while s in sched.running and (last - first + 1) * m > len(pool.free):
             self.e._evict()
@@ -338,26 +364,29 @@ class SlotRunner:
         return True
 
     def _flush(self):
-        """The host's writes of this step, in one copy (Upload): request slots admitted, new rows, reserved
-        pages, horizons, then the compaction's permutation of the rows."""
+        """The host's writes of this step, in one copy (Upload): request slots admitted, new rows,
+        reserved pages, horizons, then the compaction's permutation of the rows."""
         st, up, running = self.slots, self.upload, self.e.scheduler.running
-        for at, fields in self._admits + self._rows:          # a request slot, or the rows of a chunk
+        # a request slot, or the rows of a chunk
+        for at, fields in self._admits + self._rows:
             for name, value in fields.items():
                 up.write(getattr(st, name), at, value)
         for slot, pos, pages in self._pages:
             up.write(st.table, (slot, torch.arange(pages.shape[1])[None, :], pos[:, None]), pages)
         if running:
-            up.write(st.horizon, torch.tensor([s.slot for s in running]), [s.reserved for s in running])
+            up.write(st.horizon, torch.tensor([s.slot for s in running]),
+                     [s.reserved for s in running])
         up.send([getattr(st, name) for name in ROWS], self._perm)
         self._admits, self._rows, self._pages, self._perm = [], [], [], None
 
     def _choose_bucket(self, due=False):
-        """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are moved to
-        the front (a permutation, sent with the step's writes) when a smaller bucket would hold them: at
-        once when that quarters the bucket, else once no decision is due (a prompt in flight shrinks pass
-        by pass: each bucket is one more graph to replay). While passes run unread, the host's copy of
-        the rows may list rows that have gone idle since, never one that started: moving them too is
-        harmless, and the copy of the rows those passes return is permuted alike when it is read."""
+        """The rows a pass runs: the bucket that holds the highest live row slot. Live rows are
+        moved to the front (a permutation, sent with the step's writes) when a smaller bucket would
+        hold them: at once when that quarters the bucket, else once no decision is due (a prompt in
+        flight shrinks pass by pass: each bucket is one more graph to replay). While passes run
+        unread, the host's copy of the rows may list rows that have gone idle since, never one that
+        started: moving them too is harmless, and the copy of the rows those passes return is
+        permuted alike when it is read."""
         live = self.live.nonzero()[:, 0]
         cap = self.slots.R
         now, least = (bucket(int(live[-1]) + 1, cap), bucket(len(live), cap)) if len(live) else (2, 2)
@@ -370,17 +399,18 @@ class SlotRunner:
             live = self.live.nonzero()[:, 0]
         self.R_now = bucket(int(live[-1]) + 1 if len(live) else 1, cap)
 
-    # ------------------------------------------------------------------ the passes, and what they did
+    # ---------------------------------------------------------------- the passes, and what they did
 
     def _launch(self, waves):
-        """The passes on the device (a graph replay each on CUDA, run_pass itself elsewhere), then one
-        copy of their log and of the rows' state to the host, started without waiting."""
+        """The passes on the device (a graph replay each on CUDA, run_pass itself elsewhere), then
+        one copy of their log and of the rows' state to the host, started without waiting."""
         R, st = self.R_now, self.slots
         sampling = sampling_kind(s.req for s in self.e.scheduler.running)
         longest = max(s.started for s in self.e.scheduler.running) + sum(len(w) for w in waves)
         if self.ticket is not None:
             longest += len(self.ticket.launched)
-        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under graphs
+        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under
+        # graphs
         n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
         launched = []
         for head in (h for wave in waves for h in wave):
@@ -393,15 +423,18 @@ class SlotRunner:
             self.e.stats["head_calls"] += head
         self.e.stats["launched"] += len(launched)
         first, self.passes_run = self.passes_run, self.passes_run + len(launched)
-        packed = torch.cat([torch.stack(st.log).flatten(), st.active.long(), st.hold.long(), st.req])   # one copy
-        copies, landed = self.download.start([packed] + ([st.logits] if st.logits is not None else []))
+        # one copy
+        packed = torch.cat([torch.stack(st.log).flatten(), st.active.long(), st.hold.long(), st.req])
+        copies, landed = self.download.start([packed] + ([st.logits]
+                                                         if st.logits is not None else []))
         return Ticket(launched, first, copies, landed)
 
     def _pass(self, R, n_keys, head, sampling):
-        """One pass, as a function for a graph to capture (a fixed wave replays the head-less one, then
-        the one with the head)."""
+        """One pass, as a function for a graph to capture (a fixed wave replays the head-less one,
+        then the one with the head)."""
         pass_fn, st = compiled_pass() if self.fuse else run_pass, self.slots
-        return lambda: pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R), head, sampling)
+        return lambda: pass_fn(self.model, st, R, self.attn, n_keys, self.n_splits(R),
+                               head, sampling)
 
     def _read(self, ticket, drained):
         """A ticket's log, as the host reads it (its Logs, one a pass), the requests each slot held
@@ -428,22 +461,25 @@ class SlotRunner:
                 gone = self.row_req == what[0]
                 self.live &= ~gone
                 self.row_req[gone] = st.S
-        lives = self.by_slot + [None]                         # slot S: the padding request of idle rows
+        # slot S: the padding request of idle rows
+        lives = self.by_slot + [None]
         go = fields["go"][-1].nonzero()[:, 0]
         self.restarted = {lives[i] for i in fields["req"][-1, go].tolist()} - {None}
-        if self.ticket is None or self.ticket is ticket:       # no pass of a slot freed since runs unread
+        # no pass of a slot freed since runs unread
+        if self.ticket is None or self.ticket is ticket:
             self.free_slots += self.freed
             self.freed = []
         return self._logs(fields, lives, logits[0][at, :R] if logits else None)
 
     def _logs(self, fields, lives, logits):
-        """The host's Logs of a ticket's passes (rows.Log): the rows each request ran in each pass (one
-        sum), and the entries that say something, found for all the passes at once (one mask), read
-        one by one: no work per idle row."""
+        """The host's Logs of a ticket's passes (rows.Log): the rows each request ran in each pass
+        (one sum), and the entries that say something, found for all the passes at once (one mask),
+        read one by one: no work per idle row."""
         P = fields["req"].shape[0]
         n = len(lives)
         ran = torch.zeros(P * n, dtype=torch.long).index_add_(
-            0, (torch.arange(P)[:, None] * n + fields["req"]).flatten(), (fields["depth"] > 0).long().flatten())
+            0, (torch.arange(P)[:, None] * n + fields["req"]).flatten(),
+            (fields["depth"] > 0).long().flatten())
         said = [[] for _ in range(P)]
         where = ((fields["exit"] > 0) | (fields["stop"] > 0) | (fields["tok"] >= 0) | (fields["go"] > 0)).nonzero()
         p_r = where.tolist()
@@ -451,7 +487,8 @@ class SlotRunner:
         for (p, r), (i, pos, depth, exit, tok, stop, go) in zip(p_r, values):
             if lives[i] is not None:
                 said[p].append(Said(lives[i], pos, depth, exit, tok, bool(stop), bool(go),
-                                    logits[p, r].clone() if tok >= 0 and lives[i].req.keep_logits else None))
+                                    logits[p, r].clone() if tok >= 0 and lives[i].req.keep_logits
+                                    else None))
         counts = ran.view(P, n).tolist()
         return [Log([(s, c) for s, c in zip(lives, row) if s is not None and c], said[p])
                 for p, row in enumerate(counts)]
@@ -474,5 +511,5 @@ class SlotRunner:
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "serve with `python server.py --ckpt out/ --engine=slots`, benchmark on a GPU with "
-            "`python -m lab.bench --what=gpu`")
+    library(__doc__, "serve with `python server.py --ckpt out/ --engine=slots`, benchmark on a GPU "
+            "with `python -m lab.bench --what=gpu`")

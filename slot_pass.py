@@ -24,13 +24,14 @@ from model import FULL, at_least_fp32, exit_now
 from request import sample_tokens
 
 LOG = ("req", "pos", "depth", "exit", "tok", "stop", "go")   # per pass and row: what the host reads back
-ROWS = ("tok", "pos", "depth", "req", "n_run", "forced", "exit", "pend", "h", "survive", "tau", "full", "active",
-        "sample", "fresh", "hold")
+ROWS = ("tok", "pos", "depth", "req", "n_run", "forced", "exit", "pend", "h", "survive", "tau",
+        "full", "active", "sample", "fresh", "hold")
 
 
 def bucket(n, cap):
-    """The row count a pass runs: the next power of two >= n, at most cap (a graph per bucket), at least
-    2 (a dimension of 1 the compiler specializes into a graph of its own, which fuses worse)."""
+    """The row count a pass runs: the next power of two >= n, at most cap (a graph per bucket), at
+    least 2 (a dimension of 1 the compiler specializes into a graph of its own, which fuses
+    worse)."""
     return min(cap, max(2, 1 << max(n - 1, 0).bit_length()))
 
 
@@ -53,8 +54,8 @@ class Slots:
         self.k, self.v = pool.k, pool.v
         # rows: the token a row runs (embedded when fresh), its position, depth (0-based, the one it
         # runs next), request slot, depths it may run, replayed exit (0: decide), decided exit
-        # (1-based, 0: none), a sampled token it carries (-1: none); its state and Π(1-λ) (Eq. 4), τ;
-        # whether it runs on after its exit (full), runs at all (active), samples at its exit,
+        # (1-based, 0: none), a sampled token it carries (-1: none); its state and Π(1-λ) (Eq. 4),
+        # τ; whether it runs on after its exit (full), runs at all (active), samples at its exit,
         # starts a position (fresh), holds a token until its request's other rows finish (hold)
         self.tok, self.pos, self.depth, self.n_run = ints(R), ints(R), ints(R), ints(R, fill=1)
         self.req, self.forced, self.exit, self.pend = ints(R, fill=S), ints(R), ints(R), ints(R, fill=-1)
@@ -64,16 +65,20 @@ class Slots:
         # request slots: page table, tokens sampled and allowed, stop ids, how a decode row runs
         # (τ, full, depths), the sampler's parameters, whether it has ended, the last position
         # whose pages are reserved (horizon)
-        self.table = ints(S + 1, U, n_keys + 1, fill=pool.scratch)     # + a column no row reads (alias_stopped)
+        # + a column no row reads (alias_stopped)
+        self.table = ints(S + 1, U, n_keys + 1, fill=pool.scratch)
         self.ntok, self.max_tok = ints(S + 1), ints(S + 1)
         self.dec_n_run, self.horizon = ints(S + 1, fill=1), ints(S + 1, fill=-1)
         self.stop_ids = ints(S + 1, n_stop, fill=-1)
         self.dec_tau, self.dec_full, self.ended = reals(S + 1, fill=FULL), flags(S + 1), flags(S + 1)
         self.seed, self.top_k = ints(S + 1), ints(S + 1)
         self.temperature, self.top_p = reals(S + 1), reals(S + 1, fill=1.0)
-        self.cos, self.sin = model.rope(torch.arange(n_keys, device=dev), dt)    # what model.rope gives, once
-        self.t = ints(1)                                                        # passes run (the log's write index)
-        self.log_len, self.log = log_len, [ints(log_len, R) for _ in LOG]      # a tensor per field (advance_rows)
+        # what model.rope gives, once
+        self.cos, self.sin = model.rope(torch.arange(n_keys, device=dev), dt)
+        # passes run (the log's write index)
+        self.t = ints(1)
+        # a tensor per field (advance_rows)
+        self.log_len, self.log = log_len, [ints(log_len, R) for _ in LOG]
         self.logits = torch.zeros(log_len, R, cfg.vocab_size, dtype=dt, device=dev) if keep_logits else None
 
     def buffers(self):
@@ -88,7 +93,8 @@ class Upload:
     writes into a host buffer (pinned on CUDA; two, used in turn, so that the host fills one while a
     copy from the other may still be queued), copies it to the device without waiting, and scatters
     each write there, in the order written (one index_put each), then permutes the rows if the host
-    compacted them. Values travel as int64: floats as the bits of their float64, flags as 0 and 1."""
+    compacted them. Values travel as int64: floats as the bits of their float64, flags as 0 and
+    1."""
 
     def __init__(self, device):
         self.device, self.parts, self.where = device, [], {}
@@ -97,7 +103,8 @@ class Upload:
     def write(self, buf, index, values):
         """buf[index] = values at the next send: index anything that indexes buf (a row, a tensor of
         rows, a tuple), values broadcast to what it selects."""
-        if id(buf) not in self.where:                   # each element's flat position, the host's map of buf
+        # each element's flat position, the host's map of buf
+        if id(buf) not in self.where:
             self.where[id(buf)] = torch.arange(buf.numel()).view(buf.shape)
         at = self.where[id(buf)][index]
         values = torch.broadcast_to(torch.as_tensor(values), at.shape).reshape(-1)
@@ -114,9 +121,11 @@ class Upload:
         self.flip = 1 - self.flip
         if self.host.get(self.flip) is None or len(self.host[self.flip]) < n:
             size = max(n, 2 * len(self.host.get(self.flip, ())), 1024)
-            self.host[self.flip] = torch.empty(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            self.host[self.flip] = torch.empty(size, dtype=torch.long,
+                                               pin_memory=self.device.type == "cuda")
         if len(self.dev) < n:
-            self.dev = torch.empty(max(n, 2 * len(self.dev), 1024), dtype=torch.long, device=self.device)
+            self.dev = torch.empty(max(n, 2 * len(self.dev), 1024), dtype=torch.long,
+                                   device=self.device)
         host = self.host[self.flip]
         host[:n] = flat
         self.dev[:n].copy_(host[:n], non_blocking=True)              # the step's one copy
@@ -136,9 +145,9 @@ class Upload:
 
 class Download:
     """Device buffers copied to the host without waiting: two sets of host buffers (pinned on CUDA),
-    used in turn, so that the host reads one while the next copy lands in the other (the engine reads
-    a copy before it starts the one after next); an event marks when a copy has landed (on a CPU the
-    copy has landed when it returns)."""
+    used in turn, so that the host reads one while the next copy lands in the other (the engine
+    reads a copy before it starts the one after next); an event marks when a copy has landed (on a
+    CPU the copy has landed when it returns)."""
 
     def __init__(self, device):
         self.cuda, self.host, self.flip = torch.device(device).type == "cuda", {}, 0
@@ -147,7 +156,8 @@ class Download:
         """Copies of `tensors` on the host, and the event to wait for before reading them (None: ready)."""
         self.flip = 1 - self.flip
         if self.flip not in self.host:
-            self.host[self.flip] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in tensors]
+            self.host[self.flip] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+                                    for t in tensors]
         for h, t in zip(self.host[self.flip], tensors):
             h.copy_(t, non_blocking=True)
         done = torch.cuda.Event() if self.cuda else None
@@ -159,16 +169,18 @@ class Download:
 # ----------------------------------------------------------------------------- the pass
 
 def run_pass(model, st, R, attn="torch", n_keys=None, n_splits=1, head=True, sampling="greedy"):
-    """One application of the block to the first R row slots, each row at its own position and depth,
-    and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling where an
-    exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in place with
-    its sampled token, or going idle. head=False: a pass in which no row can exit (inside a fixed
-    wave); sampling: how tokens are drawn (SAMPLING); attn, n_keys, n_splits: how rows read their keys
-    (kernels.paged_attention_table). compiled_pass compiles it whole."""
+    """One application of the block to the first R row slots, each row at its own position and
+    depth, and all that follows from it, in place: Eq. 4 with each row's τ, the LM head and sampling
+    where an exit samples a token, Eq. 11 where a row stops, and each row running on, restarting in
+    place with its sampled token, or going idle. head=False: a pass in which no row can exit (inside
+    a fixed wave); sampling: how tokens are drawn (SAMPLING); attn, n_keys, n_splits: how rows read
+    their keys (kernels.paged_attention_table). compiled_pass compiles it whole."""
     h, cos, sin, wpage, lengths = start_rows(model, st, R)
-    for i, layer in enumerate(model.layers):          # model.block, each layer's halves around the paged attention
+    # model.block, each layer's halves around the paged attention
+    for i, layer in enumerate(model.layers):
         q, k, v = layer.before_attention(h, cos, sin)
-        h = layer.after_attention(h, attend_rows(st, R, i, q, k, v, wpage, lengths, attn, n_keys, n_splits))
+        h = layer.after_attention(h, attend_rows(st, R, i, q, k, v, wpage, lengths, attn, n_keys,
+                                                 n_splits))
     finish_rows(model, st, R, h, head, sampling)
 
 
@@ -190,8 +202,8 @@ def attend_rows(st, R, layer, q, k, v, wpage, lengths, attn, n_keys, n_splits):
     kl, vl = st.k[layer], st.v[layer]
     kl.index_copy_(0, wpage, k[0].transpose(0, 1))
     vl.index_copy_(0, wpage, v[0].transpose(0, 1))
-    y = paged_attention_table(q[0].transpose(0, 1), kl, vl, st.table, st.req[:R], st.depth[:R], lengths, attn,
-                              n_keys or st.n_keys, n_splits)
+    y = paged_attention_table(q[0].transpose(0, 1), kl, vl, st.table, st.req[:R], st.depth[:R],
+                              lengths, attn, n_keys or st.n_keys, n_splits)
     return y.transpose(0, 1)[None]
 
 
@@ -206,10 +218,10 @@ def finish_rows(model, st, R, h, head, sampling):
 
 
 def decide_exits(st, R, gate):
-    """Eq. 4 online, each row with its own τ (model.exit_now, the rule of the references); a replayed
-    row exits where it did; the last depth always exits. A full row (Ouro mode, a Dense-Ragged
-    prompt) runs on to its last depth after its exit. Returns the rows whose exit is decided now,
-    those that run on, and Π(1-λ)."""
+    """Eq. 4 online, each row with its own τ (model.exit_now, the rule of the references); a
+    replayed row exits where it did; the last depth always exits. A full row (Ouro mode, a
+    Dense-Ragged prompt) runs on to its last depth after its exit. Returns the rows whose exit is
+    decided now, those that run on, and Π(1-λ)."""
     active, depth, forced = st.active[:R], st.depth[:R], st.forced[:R]
     survive, hit = exit_now(st.survive[:R], gate, st.tau[:R])
     hit = torch.where(forced > 0, forced == depth + 1, hit)
@@ -220,8 +232,9 @@ def decide_exits(st, R, gate):
 
 
 # A pass's draw, the cheapest that gives every row its own token: "greedy" when every request is
-# (the argmax), "plain" when some row samples and none asks for top-k or top-p (the Gumbel-max over the
-# whole vocabulary, the greedy rows' argmax in the same kernel), "nucleus" when some row does (sorted).
+# (the argmax), "plain" when some row samples and none asks for top-k or top-p (the Gumbel-max over
+# the whole vocabulary, the greedy rows' argmax in the same kernel), "nucleus" when some row does
+# (sorted).
 SAMPLING = ("greedy", "plain", "nucleus")
 
 
@@ -246,8 +259,8 @@ def sample_rows(model, st, R, hn, newly, head, sampling):
     logits = model.lm_head(hn)
     req = st.req[:R]
     tok = (logits.argmax(-1) if sampling == "greedy" else
-           sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req], st.pos[:R],
-                         nucleus=sampling == "nucleus"))
+           sample_tokens(logits, st.temperature[req], st.top_k[req], st.top_p[req], st.seed[req],
+                         st.pos[:R], nucleus=sampling == "nucleus"))
     return tok, newly & st.sample[:R], logits
 
 
@@ -272,8 +285,9 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
     id) or that position has no pages yet; until then it holds the token. The others go idle."""
     req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
     pend = torch.where(emit, tok, st.pend[:R])
-    # Per request slot, over its rows: tokens emitted, whether one is a stop id, whether a row runs on.
-    # A one-hot [S+1, R] compare and one fused reduction (an index_add_ lowers to a sort on CUDA).
+    # Per request slot, over its rows: tokens emitted, whether one is a stop id, whether a row runs
+    # on. A one-hot [S+1, R] compare and one fused reduction (an index_add_ lowers to a sort on
+    # CUDA).
     stop_id = emit & (st.stop_ids[req] == tok[:, None]).any(1)
     mine = req[None, :] == torch.arange(st.S + 1, device=req.device)[:, None]
     emitted = (mine & emit[None, :]).sum(1)
@@ -288,8 +302,10 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
     rows = torch.arange(R, device=req.device)
     at = (st.t % st.log_len).expand(R)
     entry = dict(req=req, pos=pos, depth=torch.where(st.active[:R], depth + 1, 0),
-                 exit=torch.where(newly, depth + 1, 0), tok=torch.where(emit, tok, -1), stop=stop.long(), go=go.long())
-    for buf, name in zip(st.log, LOG):       # a tensor a field: each store joins the kernel that computes it
+                 exit=torch.where(newly, depth + 1, 0), tok=torch.where(emit, tok, -1),
+                 stop=stop.long(), go=go.long())
+    # a tensor a field: each store joins the kernel that computes it
+    for buf, name in zip(st.log, LOG):
         buf.index_put_((at, rows), entry[name])
     if st.logits is not None and logits is not None:
         st.logits.index_put_((at, rows), logits)
@@ -297,9 +313,12 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
     new = dict(tok=torch.where(go, pend, st.tok[:R]), pos=pos + go.long(),
                depth=torch.where(go, 0, depth + runs_on.long()),
                exit=torch.where(go, 0, torch.where(newly, depth + 1, st.exit[:R])),
-               h=torch.where(runs_on[:, None], h_next, st.h[:R]), survive=torch.where(runs_on, survive, st.survive[:R]),
-               tau=torch.where(go, st.dec_tau[req], st.tau[:R]), full=torch.where(go, st.dec_full[req], st.full[:R]),
-               n_run=torch.where(go, st.dec_n_run[req], st.n_run[:R]), forced=torch.where(go, 0, st.forced[:R]),
+               h=torch.where(runs_on[:, None], h_next, st.h[:R]),
+               survive=torch.where(runs_on, survive, st.survive[:R]),
+               tau=torch.where(go, st.dec_tau[req], st.tau[:R]),
+               full=torch.where(go, st.dec_full[req], st.full[:R]),
+               n_run=torch.where(go, st.dec_n_run[req], st.n_run[:R]),
+               forced=torch.where(go, 0, st.forced[:R]),
                sample=st.sample[:R] | go, fresh=go, active=runs_on | go, hold=hold,
                pend=torch.where(go | idle, -1, pend), req=torch.where(idle, st.S, req))
     for name, value in new.items():
@@ -314,9 +333,9 @@ def compiled_pass():
     K/V page writes, SwiGLU and residuals fuse into a few kernels around its four GEMMs (the model's
     stacked projections) and the paged attention (kernels.flash_decode_table, an operator inside the
     graph), the last norm of a layer with the first of the next, the exit maths and the per-request
-    counters into a few more (lab/bench.py --what=gpu counts them). The row count is dynamic from the
-    start, so that a kind of pass (head, sampling) compiles once for every bucket; each bucket is
-    then captured as a CUDA graph of its own."""
+    counters into a few more (lab/bench.py --what=gpu counts them). The row count is dynamic from
+    the start, so that a kind of pass (head, sampling) compiles once for every bucket; each bucket
+    is then captured as a CUDA graph of its own."""
     global _compiled
     if _compiled is None:
         allow_recompiles()
@@ -337,9 +356,9 @@ def allow_recompiles(n=64):
 
 class CudaGraphs:
     """The CUDA API that Graphs uses, all of it in one object: whether graphs can be captured on a
-    device, a side stream for the warm-up runs, and a graph that records what a callable launches and
-    replays it. On a CPU a test stands in for this object alone (GRAPHS), so that the engine's own
-    construction and capture code runs as it would on a GPU."""
+    device, a side stream for the warm-up runs, and a graph that records what a callable launches
+    and replays it. On a CPU a test stands in for this object alone (GRAPHS), so that the engine's
+    own construction and capture code runs as it would on a GPU."""
 
     def can_capture(self, device):
         return torch.device(device).type == "cuda"
@@ -353,8 +372,8 @@ class CudaGraphs:
         torch.cuda.current_stream().wait_stream(side)
 
     def capture(self, run, pool):
-        """A CUDA graph of what run() launches, in the memory pool `pool` (None: a new one); returns the
-        graph (.replay()) and its pool."""
+        """A CUDA graph of what run() launches, in the memory pool `pool` (None: a new one); returns
+        the graph (.replay()) and its pool."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             run()
@@ -370,12 +389,13 @@ def can_capture(device):
 
 
 class Graphs:
-    """One CUDA graph per kind of pass (bucket, keys read, head flag, sampling), captured on first use
-    into one shared memory pool and replayed. A capture runs the pass a few times first (compilation,
-    Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers (`buffers()`: all a
-    pass changes but the page pool) after each run: the warm-up writes into the pool only the K/V
-    that the replay writes again. Captures run in inference mode, the mode the engine replays in, so
-    that the pass compiled is the one counted (Attention.qkv stacks its GEMMs only without autograd)."""
+    """One CUDA graph per kind of pass (bucket, keys read, head flag, sampling), captured on first
+    use into one shared memory pool and replayed. A capture runs the pass a few times first
+    (compilation, Triton's JIT, cuBLAS's workspaces) on a side stream, restoring the buffers
+    (`buffers()`: all a pass changes but the page pool) after each run: the warm-up writes into the
+    pool only the K/V that the replay writes again. Captures run in inference mode, the mode the
+    engine replays in, so that the pass compiled is the one counted (Attention.qkv stacks its GEMMs
+    only without autograd)."""
 
     def __init__(self, buffers):
         self.buffers, self.graphs, self.pool = buffers, {}, None

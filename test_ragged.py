@@ -33,7 +33,8 @@ def test_tables_alias_terminal_pages_and_writes_refuse_aliases():
         row = seq.table[i]
         assert row[e:].eq(row[e - 1]).all() and len(set(row[:e].tolist())) == e
         assert seq.real[i, :e].all() and not seq.real[i, e:].any()
-    assert seq.stats() == {"physical": sum(exits), "logical": 30 * U, "dense": 30 * U, "block_evals": sum(exits)}
+    assert seq.stats() == {"physical": sum(exits), "logical": 30 * U, "dense": 30 * U,
+                           "block_evals": sum(exits)}
     seq.check()
     i = next(i for i, e in enumerate(exits) if e < U)
     e = exits[i]
@@ -115,7 +116,8 @@ def test_fuzz_pages_over_many_sequences():
             try:
                 seq.alloc_depth(pos, 0)
                 running[seq].update({int(p): 0 for p in pos})
-            except PoolExhausted:                      # nothing was allocated; the positions stay empty
+            except PoolExhausted:
+                # nothing was allocated; the positions stay empty
                 assert (seq.table[pos] == -1).all()
                 exhausted += 1
         elif op < 0.75 and running[seq]:               # run one more depth, or exit
@@ -148,18 +150,20 @@ def test_fuzz_pages_over_many_sequences():
 
 
 def test_sample_reports_decode_exit_statistics_and_prefill_apart(tmp_path, capsys):
-    """Exit fractions and jump rates are over decode positions (the paper's convention); the prompt's
-    own (all U in Dense-Ragged) are reported under "prefill"; fixed mode reports no threshold."""
+    """Exit fractions and jump rates are over decode positions (the paper's convention); the
+    prompt's own (all U in Dense-Ragged) are reported under "prefill"; fixed mode reports no
+    threshold."""
     import json
     import sample
     from checkpoint import model_args, save_checkpoint
     from model import exit_stats
     model = varied_model()
-    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config), "meta": {}},
+    save_checkpoint({"model": model.state_dict(), "model_args": model_args(model.config),
+                     "meta": {}},
                     str(tmp_path / "ckpt.pt"))
     ids = ",".join(map(str, prompt(12)))
-    res = sample.main(["--ckpt", str(tmp_path), "--thr", "0.3", "--prompt_ids", ids, "--max_new_tokens=20",
-                       "--temperature=0", "--json", "--dtype=float64"])
+    res = sample.main(["--ckpt", str(tmp_path), "--thr", "0.3", "--prompt_ids", ids,
+                       "--max_new_tokens=20", "--temperature=0", "--json", "--dtype=float64"])
     r = res[0]
     assert r["prompt_exits"] == [U] * 12 and len(set(r["decode_exits"])) >= 2
     for key in ("exit_fractions", "jump_rates", "large_jump_rate"):
@@ -167,8 +171,8 @@ def test_sample_reports_decode_exit_statistics_and_prefill_apart(tmp_path, capsy
         assert r["prefill"][key] == exit_stats(r["prompt_exits"], U)[key]
     assert r["prefill"]["exit_fractions"] == [0, 0, 0, 1.0]
     capsys.readouterr()
-    sample.main(["--ckpt", str(tmp_path), "--mode=fixed", "--depth=2", "--prompt_ids", ids, "--max_new_tokens=3",
-                 "--json", "--dtype=float64"])
+    sample.main(["--ckpt", str(tmp_path), "--mode=fixed", "--depth=2", "--prompt_ids", ids,
+                 "--max_new_tokens=3", "--json", "--dtype=float64"])
     out = capsys.readouterr()
     rec = json.loads(out.out.strip().splitlines()[-1])
     assert rec["thr"] is None and rec["depth"] == 2 and "thr=" not in out.err and "depth=2" in out.err

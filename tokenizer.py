@@ -37,9 +37,9 @@ def gpt2_encoding(tiktoken_file=""):
 
 
 def start_of_text(meta):
-    """What an empty prompt means, the same in sample.py, server.py and lab/eval.py: the start of a text,
-    as the model saw texts begin in training: the end-of-text token of GPT-2 and Ouro's tokenizer, a
-    newline for the character and piece tokenizers that have one, else token 0."""
+    """What an empty prompt means, the same in sample.py, server.py and lab/eval.py: the start of a
+    text, as the model saw texts begin in training: the end-of-text token of GPT-2 and Ouro's
+    tokenizer, a newline for the character and piece tokenizers that have one, else token 0."""
     kind = (meta or {}).get("tokenizer")
     if kind in EOS:
         return [EOS[kind]]
@@ -56,10 +56,10 @@ def pieces_meta(pieces):
 
 
 def check_meta(meta, where="the model's meta"):
-    """A tokenizer description (meta.json, or a checkpoint's meta) that is ours and agrees with itself:
-    its entries present and well formed, and as many tokens as its vocab_size says (a char model whose
-    characters are fewer than its vocabulary would decode an id it has no character for). UserError
-    naming `where` and what is wrong."""
+    """A tokenizer description (meta.json, or a checkpoint's meta) that is ours and agrees with
+    itself: its entries present and well formed, and as many tokens as its vocab_size says (a char
+    model whose characters are fewer than its vocabulary would decode an id it has no character
+    for). UserError naming `where` and what is wrong."""
     if not isinstance(meta, dict):
         raise UserError(f"{where}: the tokenizer description is {type(meta).__name__}, not a JSON object")
     kind = meta.get("tokenizer")
@@ -71,15 +71,17 @@ def check_meta(meta, where="the model's meta"):
     size = meta.get("vocab_size")
     if kind in ("char", "pieces", "gpt2") and (isinstance(size, bool) or not isinstance(size, int)):
         raise UserError(f"{where}: vocab_size {size!r} is not a whole number")
-    tokens = {"char": lambda: len(meta["chars"]), "pieces": lambda: len(meta["pieces"]), "gpt2": lambda: 50257}
+    tokens = {"char": lambda: len(meta["chars"]), "pieces": lambda: len(meta["pieces"]),
+              "gpt2": lambda: 50257}
     if kind in tokens and tokens[kind]() != size:
-        raise UserError(f"{where}: vocab_size is {size}, but its {kind} tokenizer has {tokens[kind]()} tokens; "
-                        "prepare the dataset again with prepare_data.py")
+        raise UserError(f"{where}: vocab_size is {size}, but its {kind} tokenizer has "
+                        f"{tokens[kind]()} tokens; prepare the dataset again with prepare_data.py")
 
 
 def load_tokenizer(meta, tiktoken_file=""):
-    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str). A meta
-    that is not one of ours (a corrupt file or checkpoint) is a UserError naming what is wrong."""
+    """meta (as written to meta.json) -> (encode: str -> list[int], decode: list[int] -> str). A
+    meta that is not one of ours (a corrupt file or checkpoint) is a UserError naming what is
+    wrong."""
     check_meta(meta)
     kind = meta.get("tokenizer")
     if kind == "char":
@@ -103,8 +105,8 @@ def load_tokenizer(meta, tiktoken_file=""):
             while i < len(s):
                 n = next((n for n in range(min(longest, len(s) - i), 0, -1) if s[i:i + n] in stoi), 0)
                 if not n:
-                    raise UserError(f"{s[i:i + 8]!r} (at character {i}) starts with no token of this model's "
-                                    f"vocabulary of {len(pieces)} pieces")
+                    raise UserError(f"{s[i:i + 8]!r} (at character {i}) starts with no token of "
+                                    f"this model's vocabulary of {len(pieces)} pieces")
                 ids.append(stoi[s[i:i + n]])
                 i += n
             return ids
@@ -117,24 +119,27 @@ def load_tokenizer(meta, tiktoken_file=""):
                             "(pip install tokenizers); --prompt_ids works without it")
         try:
             tok = Tokenizer.from_file(meta["path"])
-        except Exception as e:          # a missing, truncated or foreign file: the library's own message
-            raise UserError(f"{meta['path']}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})")
+        except Exception as e:
+            # a missing, truncated or foreign file: the library's own message
+            raise UserError(f"{meta['path']}: not a readable tokenizer.json "
+                            f"({str(e).splitlines()[0][:160]})")
         encode = lambda s: tok.encode(s, add_special_tokens=False).ids
         return encode, lambda ids: tok.decode(ids, skip_special_tokens=False)
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, pieces, gpt2, hf")
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, pieces, "
+                    "gpt2, hf")
 
 
-# ----------------------------------------------------------------------------- as a Hugging Face tokenizer
+# ---------------------------------------------------------------------- as a Hugging Face tokenizer
 
 def hf_tokenizer(meta, tiktoken_file=""):
-    """Our tokenizer as a `tokenizers.Tokenizer` that encodes every text to the same ids (an exported
-    Ouro folder's tokenizer.json; the optional `tokenizers` package): char, one token a character;
-    pieces, the longest piece that matches first (an ordered alternation, longest first); GPT-2,
-    byte-level BPE whose merges are read off tiktoken's ranks (a token's merge: each split of it into
-    two tokens, in the order of the ranks)."""
+    """Our tokenizer as a `tokenizers.Tokenizer` that encodes every text to the same ids (an
+    exported Ouro folder's tokenizer.json; the optional `tokenizers` package): char, one token a
+    character; pieces, the longest piece that matches first (an ordered alternation, longest first);
+    GPT-2, byte-level BPE whose merges are read off tiktoken's ranks (a token's merge: each split of
+    it into two tokens, in the order of the ranks)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     check_meta(meta)
     kind = meta.get("tokenizer")
@@ -154,7 +159,8 @@ def hf_tokenizer(meta, tiktoken_file=""):
     text = lambda b: "".join(byte_char[x] for x in b)
     merges = []
     for token, rank in ranks.items():
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks
+                  and token[i:] in ranks]
         merges += [(rank, ranks[a], ranks[b], text(a), text(b)) for a, b in splits]
     tok = Tokenizer(models.BPE({text(t): r for t, r in ranks.items()},
                                [(a, b) for *_, a, b in sorted(merges)], fuse_unk=False))
@@ -171,7 +177,8 @@ def _escape(piece):
 
 def _bytes_to_unicode():
     """GPT-2's byte-level alphabet: every byte a printable character (the printable ones as
-    themselves, the others shifted past 255), as byte-level BPE tokenizers write their vocabulary."""
+    themselves, the others shifted past 255), as byte-level BPE tokenizers write their
+    vocabulary."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
     shifted = [b for b in range(256) if b not in keep]
     return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(shifted)}}
@@ -194,14 +201,15 @@ def has_chat(meta):
 def check_chat(meta):
     """--chat needs Ouro's ChatML tokens in the tokenizer."""
     if not has_chat(meta):
-        raise UserError(f"--chat: this model's tokenizer ({meta.get('tokenizer', 'none')}) has no ChatML tokens "
-                        f"<|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is for Ouro (Thinking) checkpoints")
+        raise UserError(f"--chat: this model's tokenizer ({meta.get('tokenizer', 'none')}) has no "
+                        f"ChatML tokens <|im_start|>={IM_START} and <|im_end|>={IM_END}; --chat is "
+                        "for Ouro (Thinking) checkpoints")
 
 
 def chat_ids(turns, encode, think=False):
     """Ouro's ChatML: a <|im_start|>{role}\\n{content}<|im_end|>\\n per (role, content) turn, then
-    <|im_start|>assistant\\n (and <think>\\n to open the Thinking models' reasoning). Content is text
-    or token ids; the special tokens go in as ids, so it works whatever the tokenizer does with
+    <|im_start|>assistant\\n (and <think>\\n to open the Thinking models' reasoning). Content is
+    text or token ids; the special tokens go in as ids, so it works whatever the tokenizer does with
     their strings."""
     ids = []
     for role, content in turns:

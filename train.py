@@ -29,10 +29,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from checkpoint import (aside_folder, atomic_write, is_ouro_folder, keep_aside, load_checkpoint, model_args,
-                        remove_stale_temps, save_checkpoint)
-from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse, resolve_device,
-                          run_cli, set_threads)
+from checkpoint import (aside_folder, atomic_write, is_ouro_folder, keep_aside, load_checkpoint,
+                        model_args, remove_stale_temps, save_checkpoint)
+from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse,
+                          resolve_device, run_cli, set_threads)
 from metrics import chunks, draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
 from model import GPTConfig, LoopedLM
 from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
@@ -100,24 +100,30 @@ backend = ""                 # torchrun process group ("": nccl on CUDA, gloo on
 seed = 1337                  # seeds python, numpy and torch; the data order and sampled exits follow it
 
 DEFAULTS = {k: v for k, v in dict(globals()).items()   # the settings above: lower-case, not imported constants
-            if k.islower() and not k.startswith("_") and (v is None or isinstance(v, (bool, int, float, str)))}
+            if k.islower() and not k.startswith("_")
+            and (v is None or isinstance(v, (bool, int, float, str)))}
 
 
 RULES = dict(
     eval_interval=">= 1", log_interval=">= 1", eval_iters=">= 1", init_from=["scratch", "resume"],
     stop_iter=">= -1", batch_size=">= 1", block_size=">= 1", gradient_accumulation_steps=">= 1",
-    n_layer=">= 1", n_head=">= 1", n_kv_head=">= 1", n_embd=">= 2", ffn_hidden=">= 1", n_loops=">= 1",
-    rope_theta="> 0", prior=["uniform", "geometric", "poisson"], prior_lambda="> 0", kl_scope=["step", "micro"],
+    n_layer=">= 1", n_head=">= 1", n_kv_head=">= 1", n_embd=">= 2", ffn_hidden=">= 1",
+    n_loops=">= 1",
+    rope_theta="> 0", prior=["uniform", "geometric", "poisson"], prior_lambda="> 0",
+    kl_scope=["step", "micro"],
     beta=">= 0", eval_thr="floats in [0, 1]", ra_method=["direct", "counterfactual", "reinforce"],
-    cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0", max_iters=">= 1",
-    weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0", warmup_iters=">= 0",
-    lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0", device=device_rule,
-    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=SEED_RULE, threads=THREADS_RULE,
+    cf_thr="in [0, 1]", reinforce_k=[1, 4], w_rag=">= 0", alpha=">= 0", learning_rate="> 0",
+    max_iters=">= 1", weight_decay=">= 0", beta1="in [0, 1)", beta2="in [0, 1)", grad_clip=">= 0",
+    warmup_iters=">= 0", lr_decay_start=">= -1", lr_decay_iters=">= -1", min_lr=">= 0",
+    device=device_rule,
+    dtype=["auto", "float32", "bfloat16"], backend=["", "nccl", "gloo"], seed=SEED_RULE,
+    threads=THREADS_RULE,
 )
 # the keys that act only with another setting: set without it they would do nothing, and are refused
 ra_with = lambda method: lambda c: c["ragged_aware"] and c["ra_method"] == method
 NEEDS = dict(
-    overwrite=("--init_from=scratch (a fresh run)", lambda c: c["init_from"] == "scratch" and not c["eval_only"]),
+    overwrite=("--init_from=scratch (a fresh run)", lambda c: c["init_from"] == "scratch"
+               and not c["eval_only"]),
     ra_method=("--ragged_aware", lambda c: c["ragged_aware"]),
     cf_thr=("--ragged_aware --ra_method=counterfactual", ra_with("counterfactual")),
     reinforce_k=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
@@ -125,16 +131,16 @@ NEEDS = dict(
     alpha=("--ragged_aware --ra_method=reinforce", ra_with("reinforce")),
     kl_scope=("--global_kl", lambda c: c["global_kl"]),
     prior_lambda=("--prior=geometric or --prior=poisson", lambda c: c["prior"] != "uniform"),
-    **{k: ("--decay_lr=True", lambda c: c["decay_lr"]) for k in ("warmup_iters", "lr_decay_start", "lr_decay_iters",
-                                                                 "min_lr")},
+    **{k: ("--decay_lr=True", lambda c: c["decay_lr"]) for k in ("warmup_iters", "lr_decay_start",
+                                                                 "lr_decay_iters", "min_lr")},
 )
 MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops", "block_size",
               "rope_theta", "loop_norm", "branch_norm_init"]
 # --init_from=resume takes the run's settings from its checkpoint: those of this process are its own
-# (RESUME_OWN), where the data lies and how the run reports may be given anew (RESUME_MAY_CHANGE), and
-# every other key defines the run (given with another value: refused)
-RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend", "threads",
-              "overwrite"]
+# (RESUME_OWN), where the data lies and how the run reports may be given anew (RESUME_MAY_CHANGE),
+# and every other key defines the run (given with another value: refused)
+RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend",
+              "threads", "overwrite"]
 RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr"]
 
 
@@ -190,8 +196,8 @@ def load_split(c, split):
     try:
         return np.memmap(path, dtype=np.uint16, mode="r")
     except ValueError as e:     # an odd number of bytes, or an empty file: not uint16 token ids
-        raise UserError(f"--dataset={c.dataset}: {path} is not a file of uint16 token ids ({e}); prepare the dataset "
-                        "again with prepare_data.py")
+        raise UserError(f"--dataset={c.dataset}: {path} is not a file of uint16 token ids ({e}); "
+                        "prepare the dataset again with prepare_data.py")
 
 
 def load_data(c, vocab_size):
@@ -247,7 +253,8 @@ def check_config(c, given=()):
     if c.eval_only:
         ckpt = os.path.join(c.out_dir, "ckpt.pt")
         if not os.path.isfile(ckpt):
-            raise UserError(f"--eval_only evaluates {ckpt!r}, which does not exist (check --out_dir)")
+            raise UserError(f"--eval_only evaluates {ckpt!r}, which does not exist (check "
+                            "--out_dir)")
         c.init_from = "resume"
     if c.prior == "geometric" and c.prior_lambda is not None and not c.prior_lambda < 1:
         raise UserError(f"--prior_lambda={c.prior_lambda}: the geometric prior needs a value in (0, 1)")
@@ -258,26 +265,28 @@ def check_config(c, given=()):
         if os.path.exists(path) and not os.path.isdir(path):
             raise UserError(f"--{key}={path}: exists and is not a directory")
     if is_ouro_folder(c.out_dir):
-        raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); a run's ckpt.pt "
-                        "beside it would make --ckpt ambiguous. Give a folder of its own")
+        raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); "
+                        "a run's ckpt.pt beside it would make --ckpt ambiguous. Give a folder of "
+                        "its own")
     if not c.eval_only:
         check_writable(c.out_dir, "out_dir")
     if c.init_from == "resume":
         if not os.path.isfile(os.path.join(c.out_dir, "ckpt.pt")):
-            raise UserError(f"--init_from=resume: no checkpoint {os.path.join(c.out_dir, 'ckpt.pt')!r} to resume "
-                            "(check --out_dir)")
+            raise UserError("--init_from=resume: no checkpoint "
+                            f"{os.path.join(c.out_dir, 'ckpt.pt')!r} to resume (check --out_dir)")
         if c.branch_from:
-            raise UserError(f"--branch_from={c.branch_from}: a branch starts a new run; it cannot be resumed from "
-                            "--init_from=resume at the same time")
+            raise UserError(f"--branch_from={c.branch_from}: a branch starts a new run; it cannot "
+                            "be resumed from --init_from=resume at the same time")
     elif c.branch_from:
         parent = c.branch_from if os.path.isdir(c.branch_from) else os.path.dirname(c.branch_from)
         if os.path.realpath(parent or ".") == os.path.realpath(c.out_dir):
-            raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; the parent stays "
-                            "untouched")
+            raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; "
+                            "the parent stays untouched")
     else:
         GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
     if c.stop_iter == 0:
-        raise UserError("--stop_iter=0: stops before the first step; give a positive iteration (or -1: no stop)")
+        raise UserError("--stop_iter=0: stops before the first step; give a positive iteration (or "
+                        "-1: no stop)")
     eval_thresholds(c)
 
 
@@ -288,8 +297,8 @@ def micro_batches(c, world):
     if n < world:
         return world
     if n % world:
-        raise UserError(f"--gradient_accumulation_steps={n}: must be a multiple of the {world} processes "
-                        "(each runs an equal share of the global batch)")
+        raise UserError(f"--gradient_accumulation_steps={n}: must be a multiple of the {world} "
+                        "processes (each runs an equal share of the global batch)")
     return n
 
 
@@ -366,12 +375,12 @@ def lock_out_dir(c):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
-        raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait for it to end or "
-                        "give another --out_dir")
+        raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait "
+                        "for it to end or give another --out_dir")
     stale = remove_stale_temps(c.out_dir)
     if stale:
-        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} ({', '.join(stale)})",
-              file=sys.stderr)
+        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} "
+              f"({', '.join(stale)})", file=sys.stderr)
     return f
 
 
@@ -389,9 +398,10 @@ def log_target(c, master):
         open(log_file, "w").close()
         then = ("it is replaced (--overwrite)" if c.overwrite else
                 f"it moves to {aside_folder(c.out_dir)} (--overwrite: replace it)")
-        print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first checkpoint "
-              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then this run logs to {log_file}",
-              file=sys.stderr)
+        print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first "
+              "checkpoint "
+              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then this run logs "
+              f"to {log_file}", file=sys.stderr)
     return log_file, pending
 
 
@@ -405,11 +415,11 @@ def describe_run(c, model, device, n_micro, world, baseline):
     """What the run trains and on what batches, and the loss to beat, on stderr."""
     objective = f"{'global' if c.global_kl else 'local'} KL to {c.prior} prior" + (
         f", ragged-aware ({c.ra_method})" if c.ragged_aware else "")
-    print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, U={model.config.n_loops}; "
-          f"objective: {objective}; device {device}", file=sys.stderr)
+    print(f"model: {model.num_params():,} parameters, L={model.config.n_layer}, "
+          f"U={model.config.n_loops}; objective: {objective}; device {device}", file=sys.stderr)
     print(f"global batch: {n_micro} micro-batch(es) of {c.batch_size}x{c.block_size} = "
-          f"{c.batch_size * c.block_size * n_micro:,} tokens per step ({n_micro // world} per process x {world} "
-          "process(es))", file=sys.stderr)
+          f"{c.batch_size * c.block_size * n_micro:,} tokens per step ({n_micro // world} per "
+          f"process x {world} process(es))", file=sys.stderr)
     print(f"unigram baseline val loss: {baseline:.4f}", file=sys.stderr)
 
 

@@ -20,7 +20,8 @@ Training target (App. C): direct RA, averaged over a dense + ragged pair, costs 
 step; counterfactual and REINFORCE cost more.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.bench ...")
 import json
 import os
 import statistics
@@ -42,8 +43,9 @@ from serve_depthbatch import HEADS, Engine
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching
-                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at Ouro-1.4B's shape;
-                           # memory: training start-up's peak memory against the data's size
+                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at
+                           # Ouro-1.4B's shape; memory: training start-up's peak memory against the
+                           # data's size
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -74,23 +76,29 @@ DEFAULTS = dict(
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
     out="",                # gpu: also write the JSON to this file
 )
-RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">= 1", new_tokens=">= 2", repeats=">= 1",
-             thr="floats in [0, 1]", seed=SEED_RULE, threads=THREADS_RULE,
-             steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]", requests=">= 0",
-             rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS, device=device_rule,
-             shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
+RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">= 1",
+             new_tokens=">= 2", repeats=">= 1", thr="floats in [0, 1]", seed=SEED_RULE,
+             threads=THREADS_RULE,
+             steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]",
+             requests=">= 0", rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS,
+             device=device_rule, shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
              workload=["queue", "batch", "both"], head=HEADS,
              sampling=lambda v: None if v and set(v.split(",")) <= {"greedy", "paper"} else
              "expected greedy, paper or greedy,paper",
-             batches=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
+             batches=lambda v: None
+             if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
              else "expected comma-separated positive integers", gpu_shape=["ouro1.4b", "tiny"])
-# which --what each key is for (its comment says so too): set for another, it would do nothing, and is refused
-FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode", repeats="decode train", thr="decode",
-                steps="train", batch_size="train", block_size="train", shape="engine", vocab="engine",
-                workload="engine", head="engine", capacity="engine", engine_thr="engine", batches="engine gpu",
-                sampling="engine", ouro_code="engine", requests="engine", rounds="engine gpu", full="engine",
-                quick="engine", kv_pages="engine", max_rows="engine", attn="engine", device="engine gpu",
-                gpu_shape="gpu", out="gpu")
+# which --what each key is for (its comment says so too): set for another, it would do nothing, and
+# is refused
+FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode",
+                repeats="decode train", thr="decode",
+                steps="train", batch_size="train", block_size="train", shape="engine",
+                vocab="engine",
+                workload="engine", head="engine", capacity="engine", engine_thr="engine",
+                batches="engine gpu",
+                sampling="engine", ouro_code="engine", requests="engine", rounds="engine gpu",
+                full="engine", quick="engine", kv_pages="engine", max_rows="engine", attn="engine",
+                device="engine gpu", gpu_shape="gpu", out="gpu")
 NEEDS = {k: ("--what=" + " or --what=".join(w.split()), lambda c, w=w: c["what"] in w.split())
          for k, w in FOR_WHAT.items()}
 
@@ -101,7 +109,8 @@ def timed(fns, repeats, desc="bench"):
     Returns {name: (median seconds, (fastest, slowest)), last result}."""
     from tqdm import tqdm
     times, out = {name: [] for name in fns}, {}
-    with tqdm(total=repeats * len(fns), desc=desc, unit="run", file=sys.stderr, disable=None, leave=False) as bar:
+    with tqdm(total=repeats * len(fns), desc=desc, unit="run", file=sys.stderr, disable=None,
+              leave=False) as bar:
         for _ in range(repeats):
             for name, fn in fns.items():
                 t0 = time.perf_counter()
@@ -178,8 +187,8 @@ def bench_train(c):
     micro-batch) against the per-micro-batch KL, both with 2 micro-batches per step."""
     from contextlib import nullcontext
     torch.manual_seed(c["seed"])
-    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=2, n_head=4, n_kv_head=4, n_embd=256,
-                    ffn_hidden=704)
+    cfg = GPTConfig(vocab_size=256, block_size=c["block_size"], n_layer=2, n_head=4, n_kv_head=4,
+                    n_embd=256, ffn_hidden=704)
     model = LoopedLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     prior = exit_prior("poisson", cfg.n_loops)
@@ -187,7 +196,8 @@ def bench_train(c):
     g = torch.Generator().manual_seed(c["seed"])
     x = torch.randint(0, 256, (B, T), generator=g)
     y = torch.randint(0, 256, (B, T), generator=g)
-    variants = {"dense": dict(ragged_aware=False), "direct_ra": dict(ragged_aware=True, ra_method="direct"),
+    variants = {"dense": dict(ragged_aware=False),
+                "direct_ra": dict(ragged_aware=True, ra_method="direct"),
                 "counterfactual": dict(ragged_aware=True, ra_method="counterfactual"),
                 "reinforce_k1": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=1),
                 "reinforce_k4": dict(ragged_aware=True, ra_method="reinforce", reinforce_k=4),
@@ -213,7 +223,8 @@ def bench_train(c):
     print(f"{'objective':<24}{'ms/step':>10}{'× dense':>9}", file=sys.stderr)
     for name, t in rows.items():
         print(f"{name:<24}{1000 * t:>10.1f}{t / base:>9.2f}", file=sys.stderr)
-    print(f"--kl_scope=step costs {scope_cost:.2f}x --kl_scope=micro at 2 micro-batches per step", file=sys.stderr)
+    print(f"--kl_scope=step costs {scope_cost:.2f}x --kl_scope=micro at 2 micro-batches per step",
+          file=sys.stderr)
     return {"bench": "train", "model": f"L=2 d=256 U={U}", "batch": [B, T], "device": "cpu",
             "ms_per_step": {k: round(1000 * v, 2) for k, v in rows.items()},
             "ratio_to_dense": {k: round(v / base, 3) for k, v in rows.items()},
@@ -230,11 +241,11 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)     # KiB on Linux
 
 
 def bench_memory(c):
-    """Training start-up's peak memory (RSS, KiB) against the size of the data: a train split of 1 MB
-    and one of 90 MB (random ids of one vocabulary, the same small val split), each through train.py's
-    start-up, the unigram baseline and one step with its evaluation, in a process of its own. The
-    target: the 90 MB split peaks within 100 MB of the 1 MB one (the splits are memory-mapped and read
-    in chunks: metrics.CHUNK)."""
+    """Training start-up's peak memory (RSS, KiB) against the size of the data: a train split of 1
+    MB and one of 90 MB (random ids of one vocabulary, the same small val split), each through
+    train.py's start-up, the unigram baseline and one step with its evaluation, in a process of its
+    own. The target: the 90 MB split peaks within 100 MB of the 1 MB one (the splits are
+    memory-mapped and read in chunks: metrics.CHUNK)."""
     import subprocess
     import tempfile
     from tokenizer import char_meta
@@ -249,17 +260,21 @@ def bench_memory(c):
                 json.dump(char_meta([chr(97 + i) for i in range(26)]), f)
             rng.integers(0, 26, mb * 2**19, dtype=np.uint16).tofile(os.path.join(folder, "train.bin"))
             rng.integers(0, 26, 2**16, dtype=np.uint16).tofile(os.path.join(folder, "val.bin"))
-            args = [f"--data_dir={tmp}", f"--dataset=mem{mb}", f"--out_dir={folder}/out", "--max_iters=1",
-                    "--eval_interval=1", "--eval_iters=1", "--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2",
-                    "--ffn_hidden=64", "--block_size=32", "--batch_size=4", "--threads=1", "--device=cpu"]
-            done = subprocess.run([sys.executable, "-c", PEAK] + args, capture_output=True, text=True, cwd=root,
-                                  check=True)
+            args = [f"--data_dir={tmp}", f"--dataset=mem{mb}", f"--out_dir={folder}/out",
+                    "--max_iters=1",
+                    "--eval_interval=1", "--eval_iters=1", "--n_layer=1", "--n_embd=32",
+                    "--n_head=2", "--n_kv_head=2",
+                    "--ffn_hidden=64", "--block_size=32", "--batch_size=4", "--threads=1",
+                    "--device=cpu"]
+            done = subprocess.run([sys.executable, "-c", PEAK] + args, capture_output=True,
+                                  text=True, cwd=root, check=True)
             peaks[mb] = int(done.stdout.strip().splitlines()[-1])
     out = {"bench": "memory", "peak_kib_1mb": peaks[1], "peak_kib_90mb": peaks[90],
            "difference_mb": round((peaks[90] - peaks[1]) / 1024, 1)}
     out["target_met"] = out["difference_mb"] <= 100
     print(f"training start-up's peak memory: {peaks[1] / 1024:.0f} MB with a 1 MB train split, "
-          f"{peaks[90] / 1024:.0f} MB with a 90 MB one: {out['difference_mb']} MB more (target <= 100)",
+          f"{peaks[90] / 1024:.0f} MB with a 90 MB one: {out['difference_mb']} MB more (target <= "
+          "100)",
           file=sys.stderr)
     return out
 

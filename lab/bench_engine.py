@@ -11,7 +11,8 @@ fixed@U >= 1.0 x the Ouro way. `--ouro_code PATH/modeling_ouro.py` adds the publ
 throughput window, the bound, the cost model) is in docs/benchmarks.md.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_engine ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.bench_engine ...")
 import json
 import math
 import os
@@ -31,23 +32,25 @@ from request import Request
 from serve_depthbatch import HEADS, Engine, weight_bytes
 
 # Random models whose gates spread the exits over depths 1..4 (decode Ē about 2.5 at τ 0.5). The LM
-# head's weights against the block's: 0.08 for Ouro-1.4B (vocabulary 49,152, 24 layers of 2048), 0.45
-# for the paper's 160M (GPT-2's 50,257 words, 12 layers of 768); "realistic" is the paper's shape
-# scaled to a 2-core CPU with a 32,000-word vocabulary (1.27: the head weighs more than the block, as
-# in any small model with a real vocabulary), "small_vocab" hides the head (0.03).
+# head's weights against the block's: 0.08 for Ouro-1.4B (vocabulary 49,152, 24 layers of 2048),
+# 0.45 for the paper's 160M (GPT-2's 50,257 words, 12 layers of 768); "realistic" is the paper's
+# shape scaled to a 2-core CPU with a 32,000-word vocabulary (1.27: the head weighs more than the
+# block, as in any small model with a real vocabulary), "small_vocab" hides the head (0.03).
 SHAPES = {
-    "decode": dict(cfg=dict(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_kv_head=8, n_embd=512,
-                            ffn_hidden=1536), gate_std=0.12, gate_bias=-1.5),
-    "realistic": dict(cfg=dict(vocab_size=32000, block_size=2048, n_layer=4, n_head=8, n_kv_head=8, n_embd=512,
-                               ffn_hidden=1408), gate_std=0.08, gate_bias=-1.5, gate_seed=5),
-    "small_vocab": dict(cfg=dict(vocab_size=256, block_size=2048, n_layer=4, n_head=4, n_kv_head=4, n_embd=256,
-                                 ffn_hidden=704), gate_std=0.2, gate_bias=0.0, gate_seed=5),
+    "decode": dict(cfg=dict(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_kv_head=8,
+                            n_embd=512, ffn_hidden=1536), gate_std=0.12, gate_bias=-1.5),
+    "realistic": dict(cfg=dict(vocab_size=32000, block_size=2048, n_layer=4, n_head=8, n_kv_head=8,
+                               n_embd=512, ffn_hidden=1408), gate_std=0.08, gate_bias=-1.5,
+                      gate_seed=5),
+    "small_vocab": dict(cfg=dict(vocab_size=256, block_size=2048, n_layer=4, n_head=4, n_kv_head=4,
+                                 n_embd=256, ffn_hidden=704), gate_std=0.2, gate_bias=0.0,
+                        gate_seed=5),
 }
 
 
 def bench_model(seed, shape="decode", vocab=None, loop_norm=False):
-    """A random model of a bench shape (SHAPES), in eval mode; `vocab` replaces the shape's vocabulary,
-    loop_norm normalizes the state after every loop (as Ouro's models do)."""
+    """A random model of a bench shape (SHAPES), in eval mode; `vocab` replaces the shape's
+    vocabulary, loop_norm normalizes the state after every loop (as Ouro's models do)."""
     spec = SHAPES[shape]
     torch.manual_seed(seed)
     cfg = dict(spec["cfg"], **({"vocab_size": vocab} if vocab else {}))
@@ -60,21 +63,21 @@ def bench_model(seed, shape="decode", vocab=None, loop_norm=False):
     return model
 
 
-# ----------------------------------------------------------------------------- the weight-read cost model
+# ----------------------------------------------------------------------- the weight-read cost model
 
 def cost(U, weights, passes, head_calls, avg_depth):
     """Decode on one device is weight-bound at small batch: a block pass reads the block's weights
     (W_block) and a head call the LM head's (W_head), whatever the rows. Weights read by a run, and
-    the ideal speed against fixed@U per sampled token at full batch width:
-    (U·W_block + W_head) / (Ē·W_block + W_head). weights: (W_block, W_head), serve_depthbatch.weight_bytes."""
+    the ideal speed against fixed@U per sampled token at full batch width: (U·W_block + W_head) /
+    (Ē·W_block + W_head). weights: (W_block, W_head), serve_depthbatch.weight_bytes."""
     wb, wh = weights
     return dict(weight_gb=(passes * wb + head_calls * wh) / 1e9, head_to_block=wh / wb,
                 ideal_cost=(U * wb + wh) / (avg_depth * wb + wh))
 
 
 def fixed_cost(U, weights, n_new):
-    """The weights fixed@U (and the Ouro way) read for a fixed batch of n_new tokens each: U passes and
-    one head call per token. weights: (W_block, W_head)."""
+    """The weights fixed@U (and the Ouro way) read for a fixed batch of n_new tokens each: U passes
+    and one head call per token. weights: (W_block, W_head)."""
     wb, wh = weights
     return n_new * (U * wb + wh)
 
@@ -84,14 +87,15 @@ def head_schedule(rows, wb, wh, width=1000):
     online policy can beat, since it sees the future. rows[i]: request i's passes per sampled token
     (its prompt chunk's depth, then the exit depth of each decode token). A token's head call must
     come before its request's next token starts (the token is the next input), so a schedule is the
-    set of passes after which the head runs, each call serving every row that waits; it costs
-    passes x W_block + calls x W_head. Beam search, pass by pass: a state is every request's (tokens
+    set of passes after which the head runs, each call serving every row that waits; it costs passes
+    x W_block + calls x W_head. Beam search, pass by pass: a state is every request's (tokens
     sampled, depth run of the next), keeping the fewest calls that reach it; the `width` states of
     lowest bound go on (bound: cost so far + the most passes and the most tokens any request still
-    needs). Returns the cheapest cost found: a schedule that exists, so the best one costs at most this
-    (and at least the makespan's passes + one call per token, the bound of ideal_batch)."""
+    needs). Returns the cheapest cost found: a schedule that exists, so the best one costs at most
+    this (and at least the makespan's passes + one call per token, the bound of ideal_batch)."""
     n = [len(r) for r in rows]
-    need = [[sum(r[j:]) for j in range(len(r) + 1)] for r in rows]       # passes still to run from token j
+    # passes still to run from token j
+    need = [[sum(r[j:]) for j in range(len(r) + 1)] for r in rows]
     def bound(p, calls, st):
         return ((p + max(need[i][t] - d for i, (t, d) in enumerate(st))) * wb
                 + (calls + max(n[i] - t for i, (t, d) in enumerate(st))) * wh)
@@ -100,11 +104,14 @@ def head_schedule(rows, wb, wh, width=1000):
         p += 1
         nxt = {}
         for st, calls in frontier.items():
-            st = tuple((t, d + 1) if t < n[i] and d < rows[i][t] else (t, d) for i, (t, d) in enumerate(st))
+            st = tuple((t, d + 1) if t < n[i] and d < rows[i][t] else (t, d)
+                       for i, (t, d) in enumerate(st))
             waiting = [t < n[i] and d == rows[i][t] for i, (t, d) in enumerate(st)]
             running = any(t < n[i] and d < rows[i][t] for i, (t, d) in enumerate(st))
-            options = [(st, calls)] if running else []                       # no call: the waiting rows wait
-            if any(waiting):                                                 # a call: every waiting row samples
+            # no call: the waiting rows wait
+            options = [(st, calls)] if running else []
+            # a call: every waiting row samples
+            if any(waiting):
                 options.append((tuple((t + 1, 0) if w else (t, d) for (t, d), w in zip(st, waiting)), calls + 1))
             for s, c in options:
                 if all(t == n[i] for i, (t, _) in enumerate(s)):
@@ -116,7 +123,7 @@ def head_schedule(rows, wb, wh, width=1000):
     return best
 
 
-# ----------------------------------------------------------------------------- engine: the two workloads
+# ------------------------------------------------------------------------ engine: the two workloads
 
 def engine_model(c):
     device = resolve_device(c["device"])
@@ -127,8 +134,8 @@ def engine_model(c):
 
 
 def ouro_code_model(model, path):
-    """The same weights under the public Ouro modeling code (transformers 4.54/4.55): `model` written
-    as an Ouro folder (checkpoint.export_ouro, fp32) beside copies of modeling_ouro.py and
+    """The same weights under the public Ouro modeling code (transformers 4.54/4.55): `model`
+    written as an Ouro folder (checkpoint.export_ouro, fp32) beside copies of modeling_ouro.py and
     configuration_ouro.py, opened with AutoModelForCausalLM. For the `--ouro_code` row only."""
     code = os.path.dirname(os.path.abspath(path))
     if os.path.basename(path) != "modeling_ouro.py" or not os.path.isfile(path):
@@ -138,22 +145,24 @@ def ouro_code_model(model, path):
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        raise UserError("--ouro_code needs the optional transformers package, in the version Ouro's code asks "
-                        "for: pip install transformers==4.54.1 safetensors")
+        raise UserError("--ouro_code needs the optional transformers package, in the version "
+                        "Ouro's code asks for: pip install transformers==4.54.1 safetensors")
     if not model.config.loop_norm:
-        raise UserError("--ouro_code: Ouro's code normalizes the state after every loop; this model was "
-                        "built without it (loop_norm=False)")
+        raise UserError("--ouro_code: Ouro's code normalizes the state after every loop; this "
+                        "model was built without it (loop_norm=False)")
     folder = tempfile.mkdtemp(prefix="bench-ouro-")
     export_ouro(model, folder, dtype=torch.float32)
     for name in ("modeling_ouro.py", "configuration_ouro.py"):
         shutil.copy(os.path.join(code, name), folder)
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)
-    hf["auto_map"] = {"AutoConfig": "configuration_ouro.OuroConfig",       # the local copies, not the Hub's
+    # the local copies, not the Hub's
+    hf["auto_map"] = {"AutoConfig": "configuration_ouro.OuroConfig",
                       "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f)
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                torch_dtype=torch.float32).eval()
 
 
 def ouro_code_generate(hf, prompts, n_new, temperature, top_p):
@@ -164,15 +173,15 @@ def ouro_code_generate(hf, prompts, n_new, temperature, top_p):
     sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else \
         dict(do_sample=False)
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                          pad_token_id=0, **sample)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                          min_new_tokens=n_new, pad_token_id=0, **sample)
     return out[:, ids.shape[1]:].tolist()
 
 
 # The engine benchmark's request lengths: (prompt range, output range) of the queue and the capacity
 # table, (prompt, new tokens) of the fixed batch.
-LENGTHS = {"full": ((100, 1024), (100, 1024), (128, 512)), "default": ((16, 64), (32, 128), (32, 64)),
-           "quick": ((4, 12), (4, 16), (8, 12))}
+LENGTHS = {"full": ((100, 1024), (100, 1024), (128, 512)),
+           "default": ((16, 64), (32, 128), (32, 64)), "quick": ((4, 12), (4, 16), (8, 12))}
 
 
 def size_of(c):
@@ -182,8 +191,9 @@ def size_of(c):
 
 
 def queue_bench(model, c, thr, batches, bar):
-    """A server's queue: 2 x batch + 8 requests of random lengths, the engines in turns (bench_runs),
-    tok/s in the window of a loaded server. Every configuration against fixed@U of the same round."""
+    """A server's queue: 2 x batch + 8 requests of random lengths, the engines in turns
+    (bench_runs), tok/s in the window of a loaded server. Every configuration against fixed@U of the
+    same round."""
     U = model.config.n_loops
     prompts, outputs, _ = LENGTHS[size_of(c)]
     ragged = ("dense_ragged", "ete_ragged")
@@ -204,22 +214,26 @@ def queue_bench(model, c, thr, batches, bar):
         for k, r in best.items():
             r["workload"] = "queue"
             r["ratio_vs_fixed"] = r["tok_s"] / fastest(fixed)["tok_s"]
-            # each round against the fixed engine of the same round: the spread that fastest-of hides
+            # each round against the fixed engine of the same round: the spread that fastest-of
+            # hides
             r["ratio_rounds"] = [t["tok_s"] / f["tok_s"] for t, f in zip(tries[k], fixed)]
-            r["work_ratio"] = fastest(fixed)["row_depths"] / r["row_depths"]   # prefill rows included
+            # prefill rows included
+            r["work_ratio"] = fastest(fixed)["row_depths"] / r["row_depths"]
             runs.append(r)
     return runs
 
 
-# How the fixed batch samples: greedy (lab/eval.py's tasks) or the paper's sampling (sample.py's defaults).
+# How the fixed batch samples: greedy (lab/eval.py's tasks) or the paper's sampling (sample.py's
+# defaults).
 SAMPLINGS = {"greedy": (0.0, 1.0), "paper": (1.0, 0.7)}    # (temperature, top-p)
 
 
 def batch_bench(model, c, thr, batches, bar, hf=None):
-    """A fixed batch of exactly B requests (sample.py --num_samples, lab/eval.py): 32-token prompts, 64
-    new tokens each, greedy and/or sampled as the paper does, timed from the first step to the last
-    token; the batch ends with its deepest request. Against the Ouro way (ouro_way) and fixed@U,
-    rounds in a shuffled order; hf: the public Ouro code on the same weights, one more row."""
+    """A fixed batch of exactly B requests (sample.py --num_samples, lab/eval.py): 32-token prompts,
+    64 new tokens each, greedy and/or sampled as the paper does, timed from the first step to the
+    last token; the batch ends with its deepest request. Against the Ouro way (ouro_way) and
+    fixed@U, rounds in a shuffled order; hf: the public Ouro code on the same weights, one more
+    row."""
     n_prompt, n_new = LENGTHS[size_of(c)][2]
     configs = [("ouro_way", "fixed", "-"), ("fixed", "fixed", "eager")] + [
         ("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in HEADS] + (
@@ -232,7 +246,8 @@ def batch_bench(model, c, thr, batches, bar, hf=None):
             tries = {k: [] for k in configs}
             for _ in range(max(c["rounds"], 3)):
                 for k in order.sample(configs, len(configs)):
-                    tries[k].append(batch_run(model, prompts, n_new, k, thr, c, SAMPLINGS[sampling], hf))
+                    tries[k].append(batch_run(model, prompts, n_new, k, thr, c,
+                                              SAMPLINGS[sampling], hf))
                     if bar is not None:
                         bar.update(B)
             best = {k: min(v, key=lambda r: r["seconds"]) for k, v in tries.items()}
@@ -240,9 +255,12 @@ def batch_bench(model, c, thr, batches, bar, hf=None):
             ref, schedules, weights = lanes["token_lists"], {}, weight_bytes(model)
             for k, r in best.items():
                 same = sum(a == b for x, y in zip(r.pop("token_lists"), ref) for a, b in zip(x, y))
-                r.update(workload="batch", sampling=sampling, batch=B, ratio_vs_ouro=lanes["seconds"] / r["seconds"],
-                         ratio_vs_fixed=fixed["seconds"] / r["seconds"], tokens_agree_with_ouro_way=same / (B * n_new))
-                rows, r["ideal_schedule"] = r.pop("token_rows", None), 1.0   # fixed depth: one schedule
+                r.update(workload="batch", sampling=sampling, batch=B,
+                         ratio_vs_ouro=lanes["seconds"] / r["seconds"],
+                         ratio_vs_fixed=fixed["seconds"] / r["seconds"],
+                         tokens_agree_with_ouro_way=same / (B * n_new))
+                # fixed depth: one schedule
+                rows, r["ideal_schedule"] = r.pop("token_rows", None), 1.0
                 if k[0] == "continuous":    # the head policies change no exit: one search per mode
                     if k[1] not in schedules:
                         schedules[k[1]] = rows, head_schedule(rows, *weights)
@@ -261,30 +279,39 @@ def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0), hf=Non
     t0 = time.perf_counter()
     wb, wh = weights = weight_bytes(model)
     if scheduler in ("ouro_way", "ouro_code"):   # every token all U loops, one head call per step
-        tokens = (ouro_way(model, prompts, n_new, temperature, top_p) if scheduler == "ouro_way" else
+        tokens = (ouro_way(model, prompts, n_new, temperature, top_p)
+                  if scheduler == "ouro_way" else
                   ouro_code_generate(hf, prompts, n_new, temperature, top_p))
         seconds = time.perf_counter() - t0
-        return dict(scheduler=scheduler, mode=mode, head=head, thr=None, seconds=seconds, tok_s=B * n_new / seconds,
-                    passes_total=U * n_new, head_calls=n_new, rows_per_head_call=B, avg_decode_depth=float(U),
-                    makespan_bound=U * n_new, **cost(U, weights, U * n_new, n_new, U), ideal_batch=1.0,
-                    token_lists=tokens)
-    # every prompt in one pass, as Ouro's generate does: the batch starts together, and its pages lie
-    # on a grid that the attention reads in place (kernels.grid_of), as the dense lanes are read
-    e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B, max_rows=B * len(prompts[0]),
-               scheduler=scheduler, attn=c["attn"], head=head)
+        return dict(scheduler=scheduler, mode=mode, head=head, thr=None, seconds=seconds,
+                    tok_s=B * n_new / seconds,
+                    passes_total=U * n_new, head_calls=n_new, rows_per_head_call=B,
+                    avg_decode_depth=float(U),
+                    makespan_bound=U * n_new, **cost(U, weights, U * n_new, n_new, U),
+                    ideal_batch=1.0, token_lists=tokens)
+    # every prompt in one pass, as Ouro's generate does: the batch starts together, and its pages
+    # lie on a grid that the attention reads in place (kernels.grid_of), as the dense lanes are read
+    e = Engine(model, c["kv_pages"] or B * (len(prompts[0]) + n_new) * U, max_batch=B,
+               max_rows=B * len(prompts[0]), scheduler=scheduler, attn=c["attn"], head=head)
     reqs = e.run([Request(p, n_new, mode, thr=thr, temperature=temperature, top_p=top_p, seed=i)
                   for i, p in enumerate(prompts)])
     seconds = time.perf_counter() - t0
     dec = [x for r in reqs for x in r.decode_exits]
     avg = sum(dec) / len(dec)
-    # the deepest request alone: its prompt chunk's passes, then one pass per depth of every decode token
+    # the deepest request alone: its prompt chunk's passes, then one pass per depth of every decode
+    # token
     makespan = max(max(r.prompt_exits) + sum(r.decode_exits) for r in reqs)
-    return dict(scheduler=scheduler, mode=mode, head=head, thr=None if mode == "fixed" else thr, seconds=seconds,
-                tok_s=B * n_new / seconds, passes_total=e.stats["passes"], head_calls=e.stats["head_calls"],
-                rows_per_head_call=e.stats["head_rows"] / e.stats["head_calls"], avg_decode_depth=avg,
-                makespan_bound=makespan, **cost(U, weights, e.stats["passes"], e.stats["head_calls"], avg),
+    return dict(scheduler=scheduler, mode=mode, head=head, thr=None if mode == "fixed" else thr,
+                seconds=seconds,
+                tok_s=B * n_new / seconds, passes_total=e.stats["passes"],
+                head_calls=e.stats["head_calls"],
+                rows_per_head_call=e.stats["head_rows"] / e.stats["head_calls"],
+                avg_decode_depth=avg,
+                makespan_bound=makespan,
+                **cost(U, weights, e.stats["passes"], e.stats["head_calls"], avg),
                 ideal_batch=fixed_cost(U, weights, n_new) / (makespan * wb + n_new * wh),
-                token_lists=[r.tokens for r in reqs], token_rows=[[max(r.prompt_exits)] + r.decode_exits for r in reqs])
+                token_lists=[r.tokens for r in reqs],
+                token_rows=[[max(r.prompt_exits)] + r.decode_exits for r in reqs])
 
 
 def bench_engine(c):
@@ -295,18 +322,23 @@ def bench_engine(c):
     model = engine_model(c)
     cfg, U = model.config, model.config.n_loops
     batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
-    queue = c["workload"] != "batch" or c["capacity"]        # the queue's requests (and the capacity table's)
+    # the queue's requests (and the capacity table's)
+    queue = c["workload"] != "batch" or c["capacity"]
     prompts, outputs, batch = LENGTHS[size_of(c)]
-    need = max(([prompts[1] + outputs[1]] if queue else []) + ([sum(batch)] if c["workload"] != "queue" else []))
+    need = max(([prompts[1] + outputs[1]] if queue else []) + ([sum(batch)]
+                                                               if c["workload"] != "queue" else []))
     if need > cfg.block_size:
-        raise UserError(f"--workload={c['workload']} --capacity={c['capacity']} needs a context of {need} tokens; the "
-                        f"model has block_size={cfg.block_size} (--workload=batch --capacity=False needs the least)")
+        raise UserError(f"--workload={c['workload']} --capacity={c['capacity']} needs a context of "
+                        f"{need} tokens; the model has block_size={cfg.block_size} "
+                        "(--workload=batch --capacity=False needs the least)")
     if c["requests"] and c["requests"] < 2 * max(batches):
-        raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest batch "
-                        f"({2 * max(batches)}), so that requests wait while the batch runs full")
+        raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest "
+                        f"batch ({2 * max(batches)}), so that requests wait while the batch runs "
+                        "full")
     if c["ouro_code"] and c["workload"] == "queue":
         raise UserError("--ouro_code is a row of the fixed batch: give --workload=batch or both")
-    hf = ouro_code_model(model, c["ouro_code"]) if c["ouro_code"] else None     # before any long run
+    # before any long run
+    hf = ouro_code_model(model, c["ouro_code"]) if c["ouro_code"] else None
     thr = c["engine_thr"]
     from tqdm import tqdm
     runs = []
@@ -316,15 +348,17 @@ def bench_engine(c):
         if c["workload"] in ("batch", "both"):
             runs += batch_bench(model, c, thr, batches, bar, hf)
     # capacity: one pool of 40% of what fixed@U needs for 32 requests, the whole workload at once
-    work = workload(c["requests"] or (256 if c["full"] else 64), prompts, outputs, cfg.vocab_size, c["seed"] + 1)
+    work = workload(c["requests"] or (256 if c["full"] else 64), prompts, outputs, cfg.vocab_size,
+                    c["seed"] + 1)
     pages = int(0.4 * sum(len(p) + o for p, o in work[:32]) * U)
     capacity = [] if not c["capacity"] else bench_runs(
         model, work, [("fixed", "fixed", "eager"), ("continuous", "dense_ragged", c["head"]),
-                      ("continuous", "ete_ragged", c["head"])], thr, len(work), pages, c["max_rows"], c["attn"])
+                      ("continuous", "ete_ragged", c["head"])], thr, len(work), pages,
+        c["max_rows"], c["attn"])
     print_bench(runs, capacity, pages, U)
     rnd = lambda r: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-    return {"model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head, "n_loops": U,
-                      "vocab_size": cfg.vocab_size, "ffn_hidden": cfg.ffn_hidden,
+    return {"model": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
+                      "n_loops": U, "vocab_size": cfg.vocab_size, "ffn_hidden": cfg.ffn_hidden,
                       "ckpt": c["ckpt"] or f"random bench model ({c['shape']})",
                       "head_to_block": round(runs[0]["head_to_block"], 4) if runs else None,
                       "device": str(model.lm_head.weight.device), "thr": thr, "attn": c["attn"],
@@ -335,17 +369,19 @@ def bench_engine(c):
 
 
 def targets(runs):
-    """The engine's targets, each cell as met or not: continuous ragged >= 0.9 x its cost-model ideal
-    (queue: against fixed@U, per sampled token; batch: against fixed@U, the deepest request's
+    """The engine's targets, each cell as met or not: continuous ragged >= 0.9 x its cost-model
+    ideal (queue: against fixed@U, per sampled token; batch: against fixed@U, the deepest request's
     makespan), >= 1.3x the Ouro way in the fixed batch, fixed@U >= 1.0x the Ouro way."""
     out = []
     for r in runs:
-        cell = dict(workload=r["workload"], **({"sampling": r["sampling"]} if "sampling" in r else {}),
+        cell = dict(workload=r["workload"],
+                    **({"sampling": r["sampling"]} if "sampling" in r else {}),
                     batch=r["batch"], mode=r["mode"], head=r["head"])
         if r["scheduler"] == "continuous":
             ideal = r["ideal_cost"] if r["workload"] == "queue" else r["ideal_batch"]
             seen = {"of_schedule": r["ratio_vs_fixed"] / r["ideal_schedule"]} if r["workload"] == "batch" else {}
-            out.append(dict(cell, of_ideal=r["ratio_vs_fixed"] / ideal, **seen, met=r["ratio_vs_fixed"] >= 0.9 * ideal))
+            out.append(dict(cell, of_ideal=r["ratio_vs_fixed"] / ideal, **seen,
+                            met=r["ratio_vs_fixed"] >= 0.9 * ideal))
             if r["workload"] == "batch":
                 out.append(dict(cell, vs_ouro=r["ratio_vs_ouro"], met=r["ratio_vs_ouro"] >= 1.3))
         elif r["scheduler"] == "fixed" and r["workload"] == "batch":
@@ -358,7 +394,8 @@ def print_bench(runs, capacity, pages, U):
     queue = [r for r in runs if r["workload"] == "queue"]
     if queue:
         print("queue workload (a loaded server):", file=err)
-        print(f"{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x fixed':>8}{'U/Ē':>6}{'cost':>6}"
+        print(f"{'batch':>5} "
+              f"{'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x fixed':>8}{'U/Ē':>6}{'cost':>6}"
               f"{'Ē dec':>7}{'passes':>8}{'bound':>8}{'ratio':>7}{'head calls':>11}{'rows/call':>10}"
               f"{'KV phys/dense':>16}{'mix win/run':>12}"
               f"{'  x fixed by round' if len(queue[0]['ratio_rounds']) > 1 else ''}", file=err)
@@ -366,38 +403,43 @@ def print_bench(runs, capacity, pages, U):
             ratio = r["passes"] / r["lower_bound"] if r["lower_bound"] else float("nan")
             rounds = r["ratio_rounds"]
             spread = f"  {min(rounds):.2f}-{max(rounds):.2f}" if len(rounds) > 1 else ""
-            print(f"{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
+            print(f"{r['batch']:>5} "
+                  f"{r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}{r['tok_s']:>8.1f}"
                   f"{r['ratio_vs_fixed']:>8.2f}{r['ideal_ratio']:>6.2f}{r['ideal_cost']:>6.2f}"
                   f"{r['avg_decode_depth']:>7.2f}{r['passes']:>8}{r['lower_bound']:>8.1f}{ratio:>7.3f}"
                   f"{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}{r['kv_physical']:>8}/{r['kv_dense']:<7}"
                   f"{r['mix_window']:>7.2f}/{r['mix_run']:.2f}{spread}", file=err)
-        print("tok/s: from the first request's end to the last admission, fastest of the rounds; U/Ē and cost: the "
-              "ideal x fixed by depth alone and by the weight-read cost model (head calls included); passes and bound "
-              "(the work-conserving bound) while requests wait; head calls and rows/call over the whole run",
+        print("tok/s: from the first request's end to the last admission, fastest of the rounds; "
+              "U/Ē and cost: the ideal x fixed by depth alone and by the weight-read cost model "
+              "(head calls included); passes and bound (the work-conserving bound) while requests "
+              "wait; head calls and rows/call over the whole run",
               file=err)
     batch = [r for r in runs if r["workload"] == "batch"]
     if batch:
         print("fixed-batch workload (exactly B requests, the batch ends with its deepest):", file=err)
-        print(f"{'sampling':<9}{'batch':>5} {'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}"
+        print(f"{'sampling':<9}{'batch':>5} "
+              f"{'scheduler':<11}{'mode':<13}{'head':<7}{'tok/s':>8}{'x ouro':>8}"
               f"{'x fixed':>8}{'ideal':>7}{'sched':>7}{'Ē dec':>7}{'passes':>8}{'makespan':>9}{'head calls':>11}"
               f"{'rows/call':>10}{'GB read':>9}{'agree':>7}", file=err)
         for r in batch:
             code = f"  x Ouro's code {r['ratio_vs_ouro_code']:.2f}" if "ratio_vs_ouro_code" in r else ""
-            print(f"{r['sampling']:<9}{r['batch']:>5} {r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}"
+            print(f"{r['sampling']:<9}{r['batch']:>5} "
+                  f"{r['scheduler']:<11}{r['mode']:<13}{r['head']:<7}"
                   f"{r['tok_s']:>8.1f}{r['ratio_vs_ouro']:>8.2f}{r['ratio_vs_fixed']:>8.2f}{r['ideal_batch']:>7.2f}"
                   f"{r['ideal_schedule']:>7.2f}{r['avg_decode_depth']:>7.2f}{r['passes_total']:>8}"
                   f"{r['makespan_bound']:>9}{r['head_calls']:>11}{r['rows_per_head_call']:>10.2f}"
                   f"{r['weight_gb']:>9.2f}{r['tokens_agree_with_ouro_way']:>7.2f}{code}", file=err)
-        print("x ouro: against batched full-depth dense lanes (Ouro's way); ideal: x fixed by the cost model for a "
-              "batch that ends with its deepest request (makespan = that request's passes, one head call per token: "
-              "a bound); sched: x fixed by the cost model for the best head schedule found knowing every exit "
-              "(head_schedule: one that exists, so the best one lies between sched and ideal); agree: share of "
-              "tokens equal to the Ouro way's (fixed@U: all of them, sampled too, each request with its own seed; "
-              "ragged modes differ by design); sampling: greedy (lab/eval.py) or the paper's, temperature 1 and top-p "
-              "0.7 (sample.py)", file=err)
+        print("x ouro: against batched full-depth dense lanes (Ouro's way); ideal: x fixed by the "
+              "cost model for a batch that ends with its deepest request (makespan = that "
+              "request's passes, one head call per token: a bound); sched: x fixed by the cost "
+              "model for the best head schedule found knowing every exit (head_schedule: one that "
+              "exists, so the best one lies between sched and ideal); agree: share of tokens equal "
+              "to the Ouro way's (fixed@U: all of them, sampled too, each request with its own "
+              "seed; ragged modes differ by design); sampling: greedy (lab/eval.py) or the "
+              "paper's, temperature 1 and top-p 0.7 (sample.py)", file=err)
     if capacity:
-        print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first 32 requests), every "
-              "request submitted at once, whole run", file=err)
+        print(f"capacity: one pool of {pages} KV pages (40% of what fixed@{U} needs for the first "
+              "32 requests), every request submitted at once, whole run", file=err)
         print(f"{'scheduler':<11}{'mode':<13}{'req/s':>8}{'tok/s':>8}{'max in flight':>14}{'preemptions':>12}"
               f"{'peak':>6}", file=err)
         for r in capacity:
@@ -405,7 +447,7 @@ def print_bench(runs, capacity, pages, U):
                   f"{r['max_in_flight']:>14}{r['preemptions']:>12}{r['peak_pages']:>6}", file=err)
 
 
-# ----------------------------------------------------------------------------- engine: depth batching (App. A.2)
+# ---------------------------------------------------------------- engine: depth batching (App. A.2)
 
 def workload(n, prompt_range, output_range, vocab, seed):
     """nano-vllm's benchmark workload: random prompts and output lengths, EOS ignored."""
@@ -450,20 +492,21 @@ def counted_step(e, counts):
 
 
 def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=None, seed=0):
-    """Every (scheduler, mode, head) in configs serves the whole workload on its own engine and pool; the
-    engines take turns of about TURN seconds of steps until all are done, the next turn going to
-    the engine least far through the workload (tokens sampled so far; ties in a seeded random
-    order). Turns let a slow spell of a shared machine fall on every configuration alike, and
+    """Every (scheduler, mode, head) in configs serves the whole workload on its own engine and
+    pool; the engines take turns of about TURN seconds of steps until all are done, the next turn
+    going to the engine least far through the workload (tokens sampled so far; ties in a seeded
+    random order). Turns let a slow spell of a shared machine fall on every configuration alike, and
     keeping them level lets no configuration run a stretch of the machine's time alone
     (docs/benchmarks.md). Returns their records. bar: a tqdm of requests done."""
     order = random.Random(seed)
     total = sum(o for _, o in work)
     runs = []
     for scheduler, mode, head in configs:
-        e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler, attn=attn, head=head)
+        e = Engine(model, kv_pages, max_batch=batch, max_rows=max_rows, scheduler=scheduler,
+                   attn=attn, head=head)
         reqs = [e.add(Request(p, o, mode, thr)) for p, o in work]
-        runs.append(dict(engine=e, reqs=reqs, counts=new_counts(), seconds=0.0, window_seconds=0.0, window_rows=[0, 0],
-                         window_tokens=[]))
+        runs.append(dict(engine=e, reqs=reqs, counts=new_counts(), seconds=0.0, window_seconds=0.0,
+                         window_rows=[0, 0], window_tokens=[]))
     progress = lambda run: (sum(len(r.tokens) for r in run["reqs"]) / total, order.random())
     while any(run["engine"].busy() for run in runs):
         run = min((run for run in runs if run["engine"].busy()), key=progress)
@@ -496,11 +539,11 @@ def timed_step(run):
 def bench_record(run, thr, batch):
     """The record of one engine's run for the JSON line.
 
-    tok_s is a loaded server's: from the end of the first request to the last admission, where prompt
-    and decode rows come in the workload's proportion (mix_window against mix_run); Ē and the ideal
-    ratio are those of the tokens sampled in that window. passes and the work-conserving bound count
-    the passes while requests waited, enough to fill the batch. The whole run, tail included, is
-    in tok_s_total and passes_total."""
+    tok_s is a loaded server's: from the end of the first request to the last admission, where
+    prompt and decode rows come in the workload's proportion (mix_window against mix_run); Ē and the
+    ideal ratio are those of the tokens sampled in that window. passes and the work-conserving bound
+    count the passes while requests waited, enough to fill the batch. The whole run, tail included,
+    is in tok_s_total and passes_total."""
     e, reqs, seconds, window_seconds = run["engine"], run["reqs"], run["seconds"], run["window_seconds"]
     U, s, mode = e.U, {**e.stats, **run["counts"]}, reqs[0].mode
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs if r.error][:1]
@@ -510,20 +553,24 @@ def bench_record(run, thr, batch):
         assert kv_physical == sum_exits == s["rows"], (kv_physical, sum_exits, s["rows"])
     tokens = sum(len(r.tokens) for r in reqs)
     avg_run = sum(dec) / max(len(dec), 1)
-    win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]   # token i was sampled at decode row i - 1
+    # token i was sampled at decode row i - 1
+    win = [r.decode_exits[i - 1] for r, i in run["window_tokens"] if i > 0]
     avg = sum(win) / len(win) if win else avg_run
-    return dict(scheduler=e.scheduler.kind, mode=mode, head=e.runner.head, thr=None if mode == "fixed" else thr,
-                batch=batch,
+    return dict(scheduler=e.scheduler.kind, mode=mode, head=e.runner.head, thr=None
+                if mode == "fixed" else thr, batch=batch,
                 tok_s=len(run["window_tokens"]) / window_seconds if window_seconds else None,
                 tok_s_total=tokens / seconds, seconds=seconds, window_seconds=window_seconds,
                 mix_window=run["window_rows"][0] / max(run["window_rows"][1], 1),
                 mix_run=s["prefill_rows"] / max(s["decode_rows"], 1),
-                requests_s=len(reqs) / seconds, passes=s["steady_passes"], lower_bound=s["steady_slots"] / batch,
-                decode_bound=s["steady_decode_rows"] / batch,
-                passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg, avg_decode_depth_run=avg_run,
-                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs), sum_exits=sum_exits,
-                peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"], preemptions=s["preemptions"], tokens=tokens,
-                row_depths=s["rows"], head_calls=s["head_calls"],
+                requests_s=len(reqs) / seconds, passes=s["steady_passes"],
+                lower_bound=s["steady_slots"] / batch, decode_bound=s["steady_decode_rows"] / batch,
+                passes_total=s["passes"], avg_decode_depth=avg, ideal_ratio=U / avg,
+                avg_decode_depth_run=avg_run,
+                kv_physical=kv_physical, kv_dense=sum(r.kv["dense"] for r in reqs),
+                sum_exits=sum_exits,
+                peak_pages=e.pool.peak, max_in_flight=s["max_in_flight"],
+                preemptions=s["preemptions"], tokens=tokens, row_depths=s["rows"],
+                head_calls=s["head_calls"],
                 rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
                 **cost(U, (e.runner.w_block, e.runner.w_head), s["passes"], s["head_calls"], avg))
 
@@ -534,8 +581,8 @@ def fastest(records):
 
 
 def keep_heap():
-    """Keep freed CPU buffers in the process. glibc hands out buffers of a few MB (the K/V gathers of
-    a pass) by mmap, returns them at free and adapts its threshold only as it goes: until it has,
+    """Keep freed CPU buffers in the process. glibc hands out buffers of a few MB (the K/V gathers
+    of a pass) by mmap, returns them at free and adapts its threshold only as it goes: until it has,
     every pass page-faults its buffers in afresh, which would time the allocator, not the engine
     (docs/benchmarks.md). Linux/glibc only; elsewhere a no-op."""
     try:

@@ -35,7 +35,8 @@ kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed
 they compute alike but not bit for bit).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_gpu ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.bench_gpu ...")
 import json
 import math
 import os
@@ -55,7 +56,8 @@ from serve_depthbatch import Engine, engine_for, weight_bytes
 from slot_pass import Graphs, Slots, allow_recompiles, finish_rows
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
-    "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048, ffn_hidden=5632),
+    "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048,
+                     ffn_hidden=5632),
     "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, n_embd=64, ffn_hidden=176),
 }
 BANDWIDTH = 4.3e12          # bytes/s: an H200's HBM3e, as the ceiling arithmetic takes it (docs/benchmarks.md)
@@ -73,7 +75,8 @@ def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
     logits move with it, nothing reruns)."""
     torch.manual_seed(seed)
     cfg = GPTConfig(**dict(SHAPES[shape], **({"n_layer": n_layer} if n_layer else {})),
-                    block_size=N_PROMPT + N_NEW + 8, n_loops=4, loop_norm=True, branch_norm_init=1.0)
+                    block_size=N_PROMPT + N_NEW + 8, n_loops=4, loop_norm=True,
+                    branch_norm_init=1.0)
     with torch.device(device):
         model = LoopedLM(cfg).eval()
     if torch.device(device).type == "cuda":
@@ -131,16 +134,17 @@ def lanes_step(model, lanes, ids, loop=lanes_loop):
 
 
 class OuroWay:
-    """The Ouro way at fixed shapes: a graph for the prompt step and one for a decode step (U passes,
-    the head and the argmax, gpt-fast's decode_one_token with the loops unrolled), each loop compiled
-    whole (one graph for all U: they differ only in their lanes) with the projections stacked as the
-    slot engine's (four GEMMs a layer)."""
+    """The Ouro way at fixed shapes: a graph for the prompt step and one for a decode step (U
+    passes, the head and the argmax, gpt-fast's decode_one_token with the loops unrolled), each loop
+    compiled whole (one graph for all U: they differ only in their lanes) with the projections
+    stacked as the slot engine's (four GEMMs a layer)."""
 
     def __init__(self, model, batch, graphs):
         dev = model.lm_head.weight.device
         self.model = model.fuse_projections()
         if graphs:
-            allow_recompiles()                      # a graph for each depth's lanes and chunk length
+            # a graph for each depth's lanes and chunk length
+            allow_recompiles()
         self.loop = torch.compile(lanes_loop, dynamic=False) if graphs else lanes_loop
         self.lanes = StaticLanes(model, model.config.n_loops, N_PROMPT + N_NEW, batch)
         self.prompt = torch.zeros(batch, N_PROMPT, dtype=torch.long, device=dev)
@@ -171,15 +175,15 @@ class OuroWay:
         return self.out.tolist()
 
 
-# ----------------------------------------------------------------------------- counted on any device
+# ---------------------------------------------------------------------------- counted on any device
 
 def kernel_counts(shape, R=2, device="cpu"):
     """Launches of the captured pass at the shape (rows R, the smallest bucket): a layer's GEMMs and
-    launches (a pass of two layers less a pass of one: the layer in the middle of the block, its last
-    norm fused with the next layer's first); the whole pass of the shape's n_layer layers, counted, not
-    extrapolated; finish_rows's alone (the exits, the head, the aliases, the rows' next state), in the
-    same inference mode; and the paged attention's launches at the shape's context and at 4,096 keys
-    (two where flash-decoding splits the keys: kernels.splits_for)."""
+    launches (a pass of two layers less a pass of one: the layer in the middle of the block, its
+    last norm fused with the next layer's first); the whole pass of the shape's n_layer layers,
+    counted, not extrapolated; finish_rows's alone (the exits, the head, the aliases, the rows' next
+    state), in the same inference mode; and the paged attention's launches at the shape's context
+    and at 4,096 keys (two where flash-decoding splits the keys: kernels.splits_for)."""
     passes = {}
     n_layer = SHAPES[shape]["n_layer"]
     for L in sorted({1, 2, n_layer}):
@@ -188,14 +192,14 @@ def kernel_counts(shape, R=2, device="cpu"):
     st = Slots(model.fuse_projections(), PagePool.for_model(model, 64, scratch=True), 2 * R, 2,
                model.config.block_size, 8)
     with inductor_launches() as finish, torch.inference_mode():
-        torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"), dynamic=True,
-                      fullgraph=True)(st, R)
+        torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"),
+                      dynamic=True, fullgraph=True)(st, R)
     layer = {k: passes[2].count(k) - passes[1].count(k) for k in ("kernel", "gemm", "op")}
     hkv = SHAPES[shape]["n_kv_head"]
     attention = {n: 1 + (splits_for(R * hkv, n, 32) > 1) for n in (model.config.block_size, 4096)}
-    return dict(rows=R, gemms_per_layer=layer["gemm"], launches_per_layer=sum(layer.values()), layer=layer,
-                launches_per_pass=len(passes[n_layer]), finish_rows_launches=len(finish),
-                attention_launches_by_keys=attention)
+    return dict(rows=R, gemms_per_layer=layer["gemm"], launches_per_layer=sum(layer.values()),
+                layer=layer, launches_per_pass=len(passes[n_layer]),
+                finish_rows_launches=len(finish), attention_launches_by_keys=attention)
 
 
 def host_counts(model, B, mode="ete_ragged", graphs=False, queue=False):
@@ -207,13 +211,13 @@ def host_counts(model, B, mode="ete_ragged", graphs=False, queue=False):
         g = torch.Generator().manual_seed(B)
         work = [Request(p, N_NEW, mode, THR) for p in
                 torch.randint(0, model.config.vocab_size, (B, N_PROMPT), generator=g).tolist()]
-    return gpu_counts.host_counts(model, work, B, B * N_PROMPT, "fixed" if mode == "fixed" else "continuous",
-                                  graphs)
+    return gpu_counts.host_counts(model, work, B, B * N_PROMPT, "fixed" if mode == "fixed"
+                                  else "continuous", graphs)
 
 
 def counts(shape, device, batches):
-    """Everything counted: kernel_counts at the smallest bucket (batch 1's), host_counts at each batch
-    (ETE-Ragged), on the fixed batch and on the queue."""
+    """Everything counted: kernel_counts at the smallest bucket (batch 1's), host_counts at each
+    batch (ETE-Ragged), on the fixed batch and on the queue."""
     out = {"kernels": kernel_counts(shape, device=device)}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, SHAPES[shape]["vocab_size"], (max(batches), N_PROMPT), generator=g).tolist()
@@ -227,11 +231,11 @@ def counts(shape, device, batches):
 # ----------------------------------------------------------------------------- timed runs
 
 def queue_requests(B, vocab, seed, mode):
-    """The queue: QUEUE_PER_SLOT * B requests of random lengths (prompts of 8..N_PROMPT tokens, 8..N_NEW
-    new tokens), the same for every configuration of a batch size."""
+    """The queue: QUEUE_PER_SLOT * B requests of random lengths (prompts of 8..N_PROMPT tokens,
+    8..N_NEW new tokens), the same for every configuration of a batch size."""
     rng = random.Random(seed * 1000 + B)
-    return [Request([rng.randrange(vocab) for _ in range(rng.randint(8, N_PROMPT))], rng.randint(8, N_NEW), mode,
-                    THR) for _ in range(QUEUE_PER_SLOT * B)]
+    return [Request([rng.randrange(vocab) for _ in range(rng.randint(8, N_PROMPT))],
+                    rng.randint(8, N_NEW), mode, THR) for _ in range(QUEUE_PER_SLOT * B)]
 
 
 def run_config(model, prompts, config, runner, queue=None):
@@ -246,7 +250,8 @@ def run_config(model, prompts, config, runner, queue=None):
         tokens = runner.generate(prompts) if graphs else ouro_way(model, prompts, N_NEW)
         sync()
         passes, sum_exits = U * N_NEW, U * len(prompts) * (N_PROMPT + N_NEW - 1)
-        return time.perf_counter() - t0, tokens, dict(passes=passes, launched=passes, head_calls=N_NEW, depth=float(U),
+        return time.perf_counter() - t0, tokens, dict(passes=passes, launched=passes,
+                                                      head_calls=N_NEW, depth=float(U),
                                                       sum_exits=sum_exits)
     before = dict(runner.stats)
     work = ([Request(r.prompt, r.max_tokens, mode, THR) for r in queue] if queue is not None else
@@ -256,11 +261,14 @@ def run_config(model, prompts, config, runner, queue=None):
     seconds = time.perf_counter() - t0
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
     dec = [x for r in reqs for x in r.decode_exits]
-    launched = lambda stats: stats.get("launched", stats["passes"])       # the eager runner launches what runs
+    # the eager runner launches what runs
+    launched = lambda stats: stats.get("launched", stats["passes"])
     return seconds, [r.tokens for r in reqs], dict(
-        passes=runner.stats["passes"] - before["passes"], launched=launched(runner.stats) - launched(before),
+        passes=runner.stats["passes"] - before["passes"],
+        launched=launched(runner.stats) - launched(before),
         head_calls=runner.stats["head_calls"] - before["head_calls"],
-        depth=sum(dec) / len(dec), exits=[r.exits for r in reqs], sum_exits=sum(sum(r.exits) for r in reqs))
+        depth=sum(dec) / len(dec), exits=[r.exits for r in reqs],
+        sum_exits=sum(sum(r.exits) for r in reqs))
 
 
 def build(model, B, config, workload):
@@ -275,7 +283,8 @@ def build(model, B, config, workload):
         return OuroWay(model, B, graphs is True) if graphs else None
     if not graphs:
         return Engine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler)
-    return Engine(model, pages, runner="slots", max_batch=B, max_rows=rows, scheduler=scheduler, graphs=graphs is True,
+    return Engine(model, pages, runner="slots", max_batch=B, max_rows=rows, scheduler=scheduler,
+                  graphs=graphs is True,
                       fuse=graphs is True, sampling=("greedy",))
 
 
@@ -289,8 +298,8 @@ def time_configs(model, prompts, configs, rounds, queue=None):
     for cf in configs:
         t0 = time.perf_counter()
         results[cf] = [run_config(model, prompts, cf, runners[cf], queue)]
-        print(f"  batch {B} {'queue' if queue else 'batch'} {cf}: warm-up {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr)
+        print(f"  batch {B} {'queue' if queue else 'batch'} {cf}: warm-up "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for i in range(rounds):
         for cf in configs:
             if cf[2] is not False or i == 0:
@@ -299,11 +308,11 @@ def time_configs(model, prompts, configs, rounds, queue=None):
 
 
 def arrivals(runner, requests, rate, seed):
-    """A server's workload: the requests arriving at `rate` a second (a Poisson process: exponential gaps,
-    seeded), each added to the engine when its time comes, the engine stepping in between (and waiting
-    for the next arrival when it has nothing to do). Per request, as its client sees the tokens come:
-    the time from its arrival to its first token (TTFT) and between its tokens (TBT); their p50 and
-    p99, and the passes launched and with rows."""
+    """A server's workload: the requests arriving at `rate` a second (a Poisson process: exponential
+    gaps, seeded), each added to the engine when its time comes, the engine stepping in between (and
+    waiting for the next arrival when it has nothing to do). Per request, as its client sees the
+    tokens come: the time from its arrival to its first token (TTFT) and between its tokens (TBT);
+    their p50 and p99, and the passes launched and with rows."""
     rng, t, times = random.Random(seed), 0.0, []
     for _ in requests:
         t += rng.expovariate(rate)
@@ -327,23 +336,24 @@ def arrivals(runner, requests, rate, seed):
     ttft = [seen[id(r)][0] - start - a for r, a in zip(reqs, times)]
     tbt = [b - a for r in reqs for a, b in zip(seen[id(r)], seen[id(r)][1:])]
     q = lambda xs, p: round(1e3 * sorted(xs)[min(len(xs) - 1, int(p * len(xs)))], 3)
-    return dict(requests=len(reqs), rate=round(rate, 3), seconds=round(time.perf_counter() - start, 4),
-                ttft_ms_p50=q(ttft, 0.5), ttft_ms_p99=q(ttft, 0.99), tbt_ms_p50=q(tbt, 0.5), tbt_ms_p99=q(tbt, 0.99),
-                passes=runner.stats["passes"] - before["passes"],
+    return dict(requests=len(reqs), rate=round(rate, 3),
+                seconds=round(time.perf_counter() - start, 4),
+                ttft_ms_p50=q(ttft, 0.5), ttft_ms_p99=q(ttft, 0.99), tbt_ms_p50=q(tbt, 0.5),
+                tbt_ms_p99=q(tbt, 0.99), passes=runner.stats["passes"] - before["passes"],
                 passes_launched=runner.stats.get("launched", runner.stats["passes"]) - before.get(
                     "launched", before["passes"]))
 
 
 def server_start(model):
-    """How long a server's engine with its defaults takes from construction to ready (on a GPU: every
-    compile and the capture of every bucket, kind of pass and draw)."""
+    """How long a server's engine with its defaults takes from construction to ready (on a GPU:
+    every compile and the capture of every bucket, kind of pass and draw)."""
     started = time.perf_counter()
     engine = engine_for(model, pool_pages(model, 0, 0, 32), 32, 256)
     graphs = getattr(engine.runner, "graphs", None)
-    start = dict(seconds=round(time.perf_counter() - started, 4), runner=type(engine.runner).__name__,
-                 graphs=len(graphs.graphs) if graphs else 0)
-    print(f"a server's engine with its defaults ({start['runner']}, {start['graphs']} graphs) ready in "
-          f"{start['seconds']:.1f} s", file=sys.stderr)
+    start = dict(seconds=round(time.perf_counter() - started, 4),
+                 runner=type(engine.runner).__name__, graphs=len(graphs.graphs) if graphs else 0)
+    print(f"a server's engine with its defaults ({start['runner']}, {start['graphs']} graphs) "
+          "ready in " f"{start['seconds']:.1f} s", file=sys.stderr)
     return start
 
 
@@ -352,18 +362,22 @@ def replay_checks(model, prompts, best):
     kernels) gives the graphed runs' tokens, and exits, in every mode."""
     B, U, checks = len(prompts), model.config.n_loops, []
     for mode in ("fixed", "dense_ragged", "ete_ragged"):
-        plain = Engine(model, B * (N_PROMPT + N_NEW) * U, runner="slots", max_batch=B, max_rows=B * N_PROMPT,
-                           scheduler="fixed" if mode == "fixed" else "continuous", graphs=False, fuse=True)
+        plain = Engine(model, B * (N_PROMPT + N_NEW) * U, runner="slots", max_batch=B,
+                       max_rows=B * N_PROMPT,
+                           scheduler="fixed" if mode == "fixed" else "continuous", graphs=False,
+                       fuse=True)
         reqs = plain.run([Request(p, N_NEW, mode, THR) for p in prompts])
         _, tokens, st = best["engine", mode, True]
-        same = [r.tokens for r in reqs] == tokens and (mode == "fixed" or [r.exits for r in reqs] == st["exits"])
-        checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs", equal=same))
+        same = [r.tokens for r in reqs] == tokens and (mode == "fixed"
+                                                       or [r.exits for r in reqs] == st["exits"])
+        checks.append(dict(batch=B, check=f"{mode}: graph replays = the same passes without graphs",
+                           equal=same))
     return checks
 
 
 def rows_of(best, B, workload, t_w, t_h, U):
-    """The JSON rows of one workload's runs: speed, passes, Σ e, time a pass, efficiency, the ceiling and
-    the ratios against graphed fixed@U and the Ouro way."""
+    """The JSON rows of one workload's runs: speed, passes, Σ e, time a pass, efficiency, the
+    ceiling and the ratios against graphed fixed@U and the Ouro way."""
     graphed = next(g for (_, _, g) in best if g is not False)
     ref_fixed = best["engine", "fixed", graphed]
     ref_ouro, ouro_eager = best.get(("ouro_way", "fixed", graphed)), best.get(("ouro_way", "fixed", False))
@@ -372,13 +386,16 @@ def rows_of(best, B, workload, t_w, t_h, U):
         n_tok = sum(len(t) for t in tokens)
         tok_s = n_tok / seconds
         ceiling = B / (U * t_w + t_h) if mode == "fixed" else B / (st["depth"] * (t_w + t_h))
-        row = dict(workload=workload, batch=B, mode="ouro_way" if kind == "ouro_way" else mode, graphs=gr is True,
-                   graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5), tokens=n_tok,
-                   pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"], passes_launched=st["launched"],
-                   head_calls=st["head_calls"],
+        row = dict(workload=workload, batch=B, mode="ouro_way" if kind == "ouro_way" else mode,
+                   graphs=gr is True,
+                   graph_ready=gr is not False, tok_s=round(tok_s, 2), seconds=round(seconds, 5),
+                   tokens=n_tok,
+                   pass_ms=round(1e3 * seconds / st["passes"], 4), passes=st["passes"],
+                   passes_launched=st["launched"], head_calls=st["head_calls"],
                    sum_exits=st["sum_exits"], avg_decode_depth=round(st["depth"], 3),
                    efficiency=float(f"{(st['passes'] * t_w + st['head_calls'] * t_h) / seconds:.4g}"),
-                   ceiling_tok_s=round(ceiling, 1), ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
+                   ceiling_tok_s=round(ceiling, 1),
+                   ceiling_fraction=float(f"{tok_s / ceiling:.4g}"),
                    x_fixed_graphed=round(ref_fixed[0] / seconds * n_tok / sum(len(t) for t in ref_fixed[1]), 4),
                    paper_h100_eager=PAPER_H100_EAGER.get(B, (None, None))[0 if mode == "fixed" else 1])
         if ref_ouro is not None:
@@ -450,45 +467,55 @@ def print_gpu(runs, checks, counted, arrived=()):
     err = sys.stderr
     k = counted["kernels"]
     print(f"counted (Inductor's Triton scheduling of the captured pass, {k['rows']} rows): a layer "
-          f"{k['launches_per_layer']} launches ({k['gemms_per_layer']} GEMMs, {k['layer']['op']} paged attention, "
-          f"{k['layer']['kernel']} fused kernels); the whole pass {k['launches_per_pass']}; finish_rows "
-          f"{k['finish_rows_launches']}; the paged attention "
-          + ", ".join(f"{n} launch(es) at {keys} keys" for keys, n in k["attention_launches_by_keys"].items()),
+          f"{k['launches_per_layer']} launches ({k['gemms_per_layer']} GEMMs, {k['layer']['op']} "
+          f"paged attention, {k['layer']['kernel']} fused kernels); the whole pass "
+          f"{k['launches_per_pass']}; finish_rows {k['finish_rows_launches']}; the paged attention "
+          + ", ".join(f"{n} launch(es) at {keys} keys"
+                      for keys, n in k["attention_launches_by_keys"].items()),
           file=err)
     for B, h in counted["host"].items():
-        print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} host-to-device copies, "
-              f"{h['syncs_per_steady_step']} syncs, {h['launches_per_steady_step']} launches outside the graphs "
-              f"({h['steady_steps']} steps); passes launched {h['passes_launched']} for {h['passes_with_rows']} "
-              "with rows", file=err)
+        print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} "
+              f"host-to-device copies, {h['syncs_per_steady_step']} syncs, "
+              f"{h['launches_per_steady_step']} launches outside the graphs ({h['steady_steps']} "
+              f"steps); passes launched {h['passes_launched']} for {h['passes_with_rows']} with "
+              "rows", file=err)
     for B, h in counted.get("host_queue", {}).items():
-        print(f"counted, queue of {4 * B} through {B} slots: {100 * h['drained_share']:.1f}% of the passes read with "
-              f"none behind them, host {h['host_ms_per_pass']:.3f} ms a pass, {h['launches_outside_graphs_per_step']} "
+        print(f"counted, queue of {4 * B} through {B} slots: {100 * h['drained_share']:.1f}% of "
+              "the passes read with "
+              f"none behind them, host {h['host_ms_per_pass']:.3f} ms a pass, "
+              f"{h['launches_outside_graphs_per_step']} "
               f"launches outside the graphs a step; passes launched {h['passes_launched']} for "
               f"{h['passes_with_rows']} with rows", file=err)
-    print(f"{'work':<6}{'batch':>5} {'mode':<13}{'graphs':<7}{'tok/s':>9}{'passes':>7}{'Σ e':>7}{'pass ms':>9}"
+    print(f"{'work':<6}{'batch':>5} "
+          f"{'mode':<13}{'graphs':<7}{'tok/s':>9}{'passes':>7}{'Σ e':>7}{'pass ms':>9}"
           f"{'eff':>6}{'Ē dec':>7}{'ceiling':>9}{'of it':>7}{'x fixed g':>10}{'x ouro g':>9}{'x ouro e':>9}"
           f"{'paper':>8}",
           file=err)
     for r in runs:
         paper = f"{r['paper_h100_eager']:.1f}" if r["paper_h100_eager"] else "-"
-        ouro = (f"{r['x_ouro_way_graphed']:>9.2f}{r['x_ouro_way_eager']:>9.2f}" if "x_ouro_way_graphed" in r
-                else f"{'-':>9}{'-':>9}")
-        print(f"{r['workload']:<6}{r['batch']:>5} {r['mode']:<13}{str(r['graphs']):<7}{r['tok_s']:>9.1f}"
+        ouro = (f"{r['x_ouro_way_graphed']:>9.2f}{r['x_ouro_way_eager']:>9.2f}"
+                if "x_ouro_way_graphed" in r else f"{'-':>9}{'-':>9}")
+        print(f"{r['workload']:<6}{r['batch']:>5} "
+              f"{r['mode']:<13}{str(r['graphs']):<7}{r['tok_s']:>9.1f}"
               f"{r['passes']:>7}{r['sum_exits']:>7}{r['pass_ms']:>9.3f}{r['efficiency']:>6.2f}"
               f"{r['avg_decode_depth']:>7.2f}{r['ceiling_tok_s']:>9.1f}{r['ceiling_fraction']:>7.3f}"
               f"{r['x_fixed_graphed']:>10.2f}{ouro}{paper:>8}", file=err)
     for a in arrived:
-        print(f"arrivals, batch {a['batch']} {a['mode']:<13} at {a['share']:.0%} of {a['capacity_req_s']:.2f} req/s: "
-              f"TTFT p50 {a['ttft_ms_p50']:.2f} / p99 {a['ttft_ms_p99']:.2f} ms, TBT p50 {a['tbt_ms_p50']:.2f} / p99 "
-              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} for {a['passes']} with rows", file=err)
+        print(f"arrivals, batch {a['batch']} {a['mode']:<13} at {a['share']:.0%} of "
+              f"{a['capacity_req_s']:.2f} req/s: TTFT p50 {a['ttft_ms_p50']:.2f} / p99 "
+              f"{a['ttft_ms_p99']:.2f} ms, TBT p50 {a['tbt_ms_p50']:.2f} / p99 "
+              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} for {a['passes']} "
+              "with rows", file=err)
     for ch in checks:
         print(f"check, batch {ch['batch']}: {ch['check']}: {ch.get('agree', ch.get('equal'))}", file=err)
-    print("batch: B requests of 32 + 32 tokens; queue: 4B requests of random lengths through B slots. tok/s: new "
-          "tokens over the whole run (prompts included), fastest of the rounds; Σ e: block applications to tokens; "
-          "eff: the weight reads' own time (passes x block + head calls x head, at the bandwidth) over the wall time; "
-          "ceiling: decode reading the weights at the bandwidth (fixed and the Ouro way U passes and one head a token, "
-          "ragged Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, the graphed and "
-          "the eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ 0.3)", file=err)
+    print("batch: B requests of 32 + 32 tokens; queue: 4B requests of random lengths through B "
+          "slots. tok/s: new tokens over the whole run (prompts included), fastest of the rounds; "
+          "Σ e: block applications to tokens; eff: the weight reads' own time (passes x block + "
+          "head calls x head, at the bandwidth) over the wall time; ceiling: decode reading the "
+          "weights at the bandwidth (fixed and the Ouro way U passes and one head a token, ragged "
+          "Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, "
+          "the graphed and the eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ "
+          "0.3)", file=err)
 
 
 if __name__ == "__main__":

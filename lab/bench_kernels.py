@@ -14,18 +14,22 @@ copy). Targets on an H200: >= 70% of copy bandwidth at batch 32 / context 4k, an
 contiguous baseline at equal work. Then it runs the engine benchmark with --attn=triton.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.bench_kernels ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.bench_kernels ...")
 import json
 import os
 import sys
 
 import torch
 
-if not torch.cuda.is_available():   # the CPU can only run Triton kernels in the interpreter, in float32
+# the CPU can only run Triton kernels in the interpreter, in float32
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from configurator import SEED_RULE, UserError, parse, run_cli  # noqa: E402  (after the interpreter switch)
-from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton  # noqa: E402
+# noqa: E402 (after the interpreter switch)
+from configurator import SEED_RULE, UserError, parse, run_cli
+# noqa: E402
+from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton
 
 DEFAULTS = dict(
     smoke=False,           # tiny sizes, correctness only (any device)
@@ -38,14 +42,17 @@ DEFAULTS = dict(
     engine=True,           # then the engine benchmark with --attn=triton
     seed=0,                # seeds the inputs
 )
-RULES = dict(batches=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
-             contexts=lambda v: None if all(s.strip().isdigit() for s in v.split(",")) else "comma-separated integers",
+RULES = dict(batches=lambda v: None if all(s.strip().isdigit() for s in v.split(","))
+             else "comma-separated integers",
+             contexts=lambda v: None if all(s.strip().isdigit() for s in v.split(","))
+             else "comma-separated integers",
              heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed=SEED_RULE)
 
 
 def make_case(B, ctx, H, D, dtype, device, pool_pages=None, seed=0):
     """B rows of ctx keys each, on pages scattered over a pool (as a paged cache is)."""
-    g = torch.Generator(device=device).manual_seed(seed)            # drawn where they live: 16k contexts are big
+    # drawn where they live: 16k contexts are big
+    g = torch.Generator(device=device).manual_seed(seed)
     P = pool_pages or B * ctx
     k = torch.randn(P, H, D, generator=g, device=device).to(dtype)
     v = torch.randn(P, H, D, generator=g, device=device).to(dtype)
@@ -73,9 +80,11 @@ def checks(device, smoke):
         ref = paged_attention_torch(q.float(), k.float(), v.float(), ids, lengths)
         for splits in (1, None):
             out.append(check(f"triton {dtype} B={B} ctx={ctx} splits={splits or 'auto'}",
-                             paged_attention_triton(q, k, v, ids, lengths, num_splits=splits, poison=True), ref, tol))
+                             paged_attention_triton(q, k, v, ids, lengths, num_splits=splits,
+                                                    poison=True), ref, tol))
         if device == "cuda":
-            out.append(check(f"flex {dtype} B={B} ctx={ctx}", paged_attention_flex(q, k, v, ids, lengths), ref, tol))
+            out.append(check(f"flex {dtype} B={B} ctx={ctx}",
+                             paged_attention_flex(q, k, v, ids, lengths), ref, tol))
     return out
 
 
@@ -113,10 +122,14 @@ def timings(c, copy_bw):
     for B in [int(x) for x in c["batches"].split(",")]:
         for ctx in [int(x) for x in c["contexts"].split(",")]:
             kv_bytes = 2 * B * ctx * H * D * 2                      # K and V, bf16
-            sets = max(1, min(c["rotate"], (8 << 30) // max(kv_bytes, 1)))   # rotate while memory allows
-            paged = [make_case(B, ctx, H, D, torch.bfloat16, device, seed=c["seed"] + i) for i in range(sets)]
-            lay_out = lambda x, ids: x[ids.long()].permute(0, 2, 1, 3).contiguous()   # contiguous [B, H, ctx, D]
-            dense = [(q[:, :, None], lay_out(k, ids), lay_out(v, ids)) for q, k, v, ids, _ in paged]   # same context
+            # rotate while memory allows
+            sets = max(1, min(c["rotate"], (8 << 30) // max(kv_bytes, 1)))
+            paged = [make_case(B, ctx, H, D, torch.bfloat16, device, seed=c["seed"] + i)
+                     for i in range(sets)]
+            # contiguous [B, H, ctx, D]
+            lay_out = lambda x, ids: x[ids.long()].permute(0, 2, 1, 3).contiguous()
+            # same context
+            dense = [(q[:, :, None], lay_out(k, ids), lay_out(v, ids)) for q, k, v, ids, _ in paged]
             it = {"p": 0, "d": 0}
 
             def run_paged():
@@ -133,7 +146,8 @@ def timings(c, copy_bw):
                    "sdpa_us": 1e6 * t_dense, "triton_gb_s": kv_bytes / t_paged / 1e9,
                    "of_copy_bw": kv_bytes / t_paged / copy_bw, "x_contiguous": t_paged / t_dense}
             if flash_attn_with_kvcache is not None:
-                fa = [(q[:, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()) for q, k, v in dense]
+                fa = [(q[:, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+                      for q, k, v in dense]
 
                 def run_fa():
                     q, k, v = fa[it["d"] % sets]
@@ -142,9 +156,11 @@ def timings(c, copy_bw):
                 t_fa = timed(run_fa, c["iters"])
                 row.update(flash_decoding_us=1e6 * t_fa, x_flash_decoding=t_paged / t_fa)
             rows.append(row)
-            print(f"B={B:>4} ctx={ctx:>6}: triton {row['triton_us']:9.1f} us  {row['triton_gb_s']:7.1f} GB/s "
-                  f"({row['of_copy_bw']:.0%} of copy)  x contiguous SDPA {row['x_contiguous']:.2f}", file=sys.stderr)
-            paged = dense = None                                  # free before the next configuration
+            print(f"B={B:>4} ctx={ctx:>6}: triton {row['triton_us']:9.1f} us  "
+                  f"{row['triton_gb_s']:7.1f} GB/s ({row['of_copy_bw']:.0%} of copy)  x contiguous "
+                  f"SDPA {row['x_contiguous']:.2f}", file=sys.stderr)
+            # free before the next configuration
+            paged = dense = None
             torch.cuda.empty_cache()
     return rows
 
@@ -155,11 +171,11 @@ def main(argv):
     if device == "cpu" and not c["smoke"]:
         raise UserError("timings need a CUDA device; on the CPU run --smoke (correctness only)")
     torch.manual_seed(c["seed"])
-    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
-              "checks": checks(device, c["smoke"] or device == "cpu")}
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton "
+              "interpreter)", "checks": checks(device, c["smoke"] or device == "cpu")}
     for ch in result["checks"]:
-        print(f"{'ok  ' if ch['ok'] else 'FAIL'} {ch['check']}: max abs err {ch['max_abs_err']:.2e} (tol {ch['tol']})",
-              file=sys.stderr)
+        print(f"{'ok  ' if ch['ok'] else 'FAIL'} {ch['check']}: max abs err "
+              f"{ch['max_abs_err']:.2e} (tol {ch['tol']})", file=sys.stderr)
     if not c["smoke"]:
         bw = copy_bandwidth(device)
         result["copy_gb_s"] = bw / 1e9
@@ -168,10 +184,12 @@ def main(argv):
         target = next((r for r in rows if r["batch"] == 32 and r["context"] == 4096), None)
         if target:
             result["targets"] = {"bandwidth_ge_70pct_at_b32_4k": target["of_copy_bw"] >= 0.7,
-                                 "time_le_1.1x_contiguous": all(r["x_contiguous"] <= 1.1 for r in rows)}
+                                 "time_le_1.1x_contiguous": all(r["x_contiguous"] <= 1.1
+                                                                for r in rows)}
         if c["engine"]:
             from lab import bench
-            result["engine"] = bench.bench_engine(dict(bench.DEFAULTS, what="engine", attn="triton", device="cuda"))
+            result["engine"] = bench.bench_engine(dict(bench.DEFAULTS, what="engine", attn="triton",
+                                                       device="cuda"))
     print(json.dumps(result))
     return result
 

@@ -24,7 +24,8 @@ Read top to bottom: the grid's names and rows; the frontier (Figure 1); large ju
 training; flat β over training (Figure 7).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.claims ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.claims ...")
 import itertools
 
 import numpy as np
@@ -35,16 +36,22 @@ THRS = [0.5, 0.2, 0.3, 0.7]        # eval thresholds; the exit statistics are ta
 # the pointer tasks' priors: Poisson, and the prior whose global run read best on the synthetic grid
 POINTER_PRIORS = ["poisson", "uniform"]
 # the look-up tasks (prepare_data's datasets): run-name prefix and the name their claims go by
-POINTER_TASKS = {"pointer": ("ptr", "Pointer task"), "hops": ("hop", "Hops task (one token a fact)"),
+POINTER_TASKS = {"pointer": ("ptr", "Pointer task"),
+                 "hops": ("hop", "Hops task (one token a fact)"),
                  "graded": ("grd", "Graded task (hidden k)"),
-                 "graded_multi": ("gml", "Graded task, every chain answered in turn (a decode of several tokens)")}
-TASK_PRIORS = {"pointer": POINTER_PRIORS, "hops": POINTER_PRIORS, "graded": ["poisson"], "graded_multi": ["poisson"]}
-# the hardest item of each task's data and builtin suite (hops: the levels its model learns every time)
+                 "graded_multi": ("gml", "Graded task, every chain answered in turn (a decode of "
+                                  "several tokens)")}
+TASK_PRIORS = {"pointer": POINTER_PRIORS, "hops": POINTER_PRIORS, "graded": ["poisson"],
+               "graded_multi": ["poisson"]}
+# the hardest item of each task's data and builtin suite (hops: the levels its model learns every
+# time)
 MAX_K = {"pointer": 4, "hops": 2, "graded": 4, "graded_multi": 4}
 PREFIX = {"synthetic": "syn", "shakespeare": "shk", **{d: p for d, (p, _) in POINTER_TASKS.items()}}
 MIN_MODELS = 3                     # rule 4: the fewest trained models (or parents) a scope a verdict rests on
-# the ragged-aware methods branched off each dataset's parents (App. C; the look-up tasks: the direct one)
-RA_METHODS = {"synthetic": ["direct", "counterfactual", "reinforce4"], "hops": ["direct"], "graded": ["direct"]}
+# the ragged-aware methods branched off each dataset's parents (App. C; the look-up tasks: the
+# direct one)
+RA_METHODS = {"synthetic": ["direct", "counterfactual", "reinforce4"], "hops": ["direct"],
+              "graded": ["direct"]}
 GRADED_SEEDS = 5                   # the graded task's seeds a scope (its ragged-aware rows: 5 parents)
 QUICK = "not judged (quick)"       # a --quick grid's verdicts: toy models, no claim either way
 
@@ -64,13 +71,14 @@ def row(claim, paper, rule, here, numbers, holds=None, verdict=None, runs=()):
     names of the runs behind it (for their reruns and provenance)."""
     holds = None if holds is None else bool(holds)
     verdict = {True: "yes", False: "no"}.get(holds) or verdict
-    return dict(claim=claim, paper=paper, rule=rule, here=here, numbers=numbers, holds=holds, verdict=verdict,
-                runs=sorted({r["name"] for r in runs}))
+    return dict(claim=claim, paper=paper, rule=rule, here=here, numbers=numbers, holds=holds,
+                verdict=verdict, runs=sorted({r["name"] for r in runs}))
 
 
 def not_run(claim, paper, rule, runs):
     """A claim whose runs are not finished yet: listed all the same, with the runs that would test it."""
-    return row(claim, paper, rule, "no finished runs", f"not run yet: {runs} (`python -m lab.reproduce --full` trains "
+    return row(claim, paper, rule, "no finished runs", f"not run yet: {runs} (`python -m "
+               "lab.reproduce --full` trains "
                "them, resuming what it has)", verdict="untested (not run)")
 
 
@@ -89,7 +97,8 @@ def branch_runs(R, data, scope, kind):
 def rollouts(suite, mode, k, key):
     """One run's per-rollout values at difficulty k under a mode of its builtin suite (None: absent)."""
     cell = suite.get(mode, {}).get(str(k))
-    return None if not cell or "rollouts" not in cell else np.asarray(cell["rollouts"][key], dtype=float)
+    return None if not cell or "rollouts" not in cell else np.asarray(cell["rollouts"][key],
+                                                                      dtype=float)
 
 
 def levels_of(suite):
@@ -107,7 +116,7 @@ def deepest(suite):
     return max(int(m.split("@")[1]) for m in suite if m.startswith("fixed@"))
 
 
-# ----------------------------------------------------------------------------- the frontier (Figure 1), rule 1
+# ------------------------------------------------------------------ the frontier (Figure 1), rule 1
 
 def at_depth(F, d):
     """F[d - 1] for a whole depth d: F holds one row a depth (numbers, or arrays of replicates)."""
@@ -115,10 +124,10 @@ def at_depth(F, d):
 
 
 def envelope(fixed, depth):
-    """The best quality (higher is better) the fixed depths reach at a mean depth: at a whole depth d
-    the best of fixed@1..d (a shallower depth stays available), linear between whole depths (a share
-    of the tokens at each). fixed: fixed@1..U's quality, numbers or arrays of bootstrap replicates;
-    depth likewise."""
+    """The best quality (higher is better) the fixed depths reach at a mean depth: at a whole depth
+    d the best of fixed@1..d (a shallower depth stays available), linear between whole depths (a
+    share of the tokens at each). fixed: fixed@1..U's quality, numbers or arrays of bootstrap
+    replicates; depth likewise."""
     *fixed, depth = np.broadcast_arrays(*fixed, np.asarray(depth, dtype=float))
     F, U = np.maximum.accumulate(np.stack(fixed).astype(float), axis=0), len(fixed)
     depth = np.clip(depth, 1, U)
@@ -129,8 +138,8 @@ def envelope(fixed, depth):
 
 
 def depth_reaching(fixed, quality):
-    """The least mean depth at which the envelope reaches `quality`: the cheapest fixed depth, or mix of
-    two neighbouring ones, as good as it (None: no fixed depth is)."""
+    """The least mean depth at which the envelope reaches `quality`: the cheapest fixed depth, or
+    mix of two neighbouring ones, as good as it (None: no fixed depth is)."""
     F = np.maximum.accumulate(np.asarray(fixed, dtype=float))
     if quality <= F[0]:
         return 1.0
@@ -148,9 +157,10 @@ def gap_stat(better):
 
 
 def rise_stat(better):
-    """Rule 1's precondition on one model's means: how much better fixed@ceil(d) is than fixed@floor(d)
-    at ragged's mean depth d (0 at a whole depth: nothing to rise across). Where it does not rise, the
-    envelope is flat there, and a ragged mode at the fixed depths' best scores gap 0 whatever it spends."""
+    """Rule 1's precondition on one model's means: how much better fixed@ceil(d) is than
+    fixed@floor(d) at ragged's mean depth d (0 at a whole depth: nothing to rise across). Where it
+    does not rise, the envelope is flat there, and a ragged mode at the fixed depths' best scores
+    gap 0 whatever it spends."""
     def stat(q, s, n, *f):
         *f, d = np.broadcast_arrays(*f, np.clip(s / n, 1, len(f)))
         F = np.stack(f)
@@ -159,9 +169,9 @@ def rise_stat(better):
 
 
 def saved(group, better):
-    """Rule 1's compute figure for one model: the cheapest fixed depth (or mix of two) as good as ragged,
-    minus ragged's mean depth: the loops a token ragged saves at equal quality (< 0: it spends more;
-    None: ragged is better than every fixed depth)."""
+    """Rule 1's compute figure for one model: the cheapest fixed depth (or mix of two) as good as
+    ragged, minus ragged's mean depth: the loops a token ragged saves at equal quality (< 0: it
+    spends more; None: ragged is better than every fixed depth)."""
     q, s, n, *f = (np.mean(a) for a in group)
     reach = depth_reaching([better * x for x in f], better * q)
     return None if reach is None else reach - s / n
@@ -185,8 +195,9 @@ def position_exits(suite, mode, k, part):
     return rollouts(suite, mode, k, "sum_exits") - rollouts(suite, mode, k, "answer_depth"), length
 
 
-# a ragged mode's depth axis (rule 1): ETE-Ragged runs every position ragged, so its compute is the mean
-# exit over the whole item; Dense-Ragged runs the prompt at all U loops, its ragged part is the decode
+# a ragged mode's depth axis (rule 1): ETE-Ragged runs every position ragged, so its compute is the
+# mean exit over the whole item; Dense-Ragged runs the prompt at all U loops, its ragged part is the
+# decode
 AXES = {"ete_ragged": ("item", "the whole item's mean depth (Σ e / tokens)"),
         "dense_ragged": ("decode", "the decode's mean depth")}
 
@@ -194,25 +205,28 @@ AXES = {"ete_ragged": ("item", "the whole item's mean depth (Σ e / tokens)"),
 def frontier_units(run, mode, t):
     """Rule 1's units of one model, at a ragged mode and τ: (quality, Σ depth, positions, quality at
     fixed@1..U), an entry a unit: the held-out windows' losses of a text dataset, the builtin items'
-    right/wrong of a look-up task. None where the mode runs nothing ragged (Dense-Ragged on one-token
-    answers: every position is the prompt's, at full depth)."""
+    right/wrong of a look-up task. None where the mode runs nothing ragged (Dense-Ragged on
+    one-token answers: every position is the prompt's, at full depth)."""
     if run.get("builtin"):
         b = run["builtin"]
         U, part = deepest(b), AXES[mode][0]
-        depth = [np.concatenate(x) for x in zip(*(position_exits(b, f"{mode}@{t}", k, part) for k in levels_of(b)))]
+        depth = [np.concatenate(x)
+                 for x in zip(*(position_exits(b, f"{mode}@{t}", k, part) for k in levels_of(b)))]
         if depth[1].sum() == 0:
             return None
         return (every_k(b, f"{mode}@{t}", "correct"), *depth,
                 *(every_k(b, f"fixed@{d}", "correct") for d in range(1, U + 1)))
     w = run["windows"]
-    return (w["ragged"][str(t)], w["depth"][str(t)], np.ones(len(w["depth"][str(t)])), *zip(*w["fixed"]))
+    return (w["ragged"][str(t)], w["depth"][str(t)], np.ones(len(w["depth"][str(t)])),
+            *zip(*w["fixed"]))
 
 
 def frontier_kind(runs, mode, labels):
-    """Rule 1 on one kind of model (a dataset and scope, before or after ragged-aware training) and one
-    ragged mode: at each τ, the gap per model averaged over the models, with its interval and sign
-    test; whether the τ is testable (the envelope rises across ragged's depth) and passes (the gap's
-    interval strictly better than 0); the compute saved. None where the mode runs nothing ragged."""
+    """Rule 1 on one kind of model (a dataset and scope, before or after ragged-aware training) and
+    one ragged mode: at each τ, the gap per model averaged over the models, with its interval and
+    sign test; whether the τ is testable (the envelope rises across ragged's depth) and passes (the
+    gap's interval strictly better than 0); the compute saved. None where the mode runs nothing
+    ragged."""
     better = 1 if runs[0].get("builtin") else -1
     taus = []
     for t in sorted(THRS):
@@ -223,9 +237,9 @@ def frontier_kind(runs, mode, labels):
         rise, rise_reps, _ = per_model(groups, rise_stat(better), seed=stream(*labels, t, "rise"))
         testable = interval(rise_reps)[0] > 0
         depths = [np.sum(s) / np.sum(n) for _, s, n, *_ in groups]
-        taus.append(dict(t=t, gap=gap, reps=reps, own=own, rise=rise, rise_reps=rise_reps, testable=testable,
-                         passes=testable and interval(better * reps)[0] > 0, depth=np.mean(depths),
-                         saved=[saved(g, better) for g in groups]))
+        taus.append(dict(t=t, gap=gap, reps=reps, own=own, rise=rise, rise_reps=rise_reps,
+                         testable=testable, passes=testable and interval(better * reps)[0] > 0,
+                         depth=np.mean(depths), saved=[saved(g, better) for g in groups]))
     testable, passed = sum(x["testable"] for x in taus), sum(x["passes"] for x in taus)
     verdict = too_few(len(runs)) or ("untested (saturated)" if testable <= len(taus) / 2 else
                                      "yes" if passed > testable / 2 else "no")
@@ -243,25 +257,27 @@ def saved_text(values):
 
 
 def frontier_rule(quality, axis, units):
-    return (f"rule 1: per model, ragged's {quality} at τ minus that model's own fixed-depth envelope (at a whole "
-            f"depth the best of fixed@1..d, linear between) at {axis}, averaged over the models ({units} "
-            "resampled). Precondition per τ: the envelope rises across ragged's depth (fixed@ceil(d) better than "
-            "fixed@floor(d), interval excluding 0); a τ passes when the gap's interval is strictly better than 0. "
-            "Holds when more than half of the testable τ pass; untested (saturated) when at most half are "
-            f"testable; at least {MIN_MODELS} models. Compute saved: the cheapest fixed depth or mix of two as good "
-            "as ragged, minus ragged's depth")
+    return (f"rule 1: per model, ragged's {quality} at τ minus that model's own fixed-depth "
+            f"envelope (at a whole depth the best of fixed@1..d, linear between) at {axis}, "
+            f"averaged over the models ({units} resampled). Precondition per τ: the envelope rises "
+            "across ragged's depth (fixed@ceil(d) better than fixed@floor(d), interval excluding "
+            "0); a τ passes when the gap's interval is strictly better than 0. Holds when more "
+            "than half of the testable τ pass; untested (saturated) when at most half are "
+            f"testable; at least {MIN_MODELS} models. Compute saved: the cheapest fixed depth or "
+            "mix of two as good as ragged, minus ragged's depth")
 
 
 def frontier_claims(R):
-    """Rule 1 per dataset, scope, before and after ragged-aware training, and ragged mode: text datasets
-    on the loss over held-out windows (ETE-Ragged), look-up tasks on the accuracy of the answer over
-    builtin items, ETE-Ragged against the whole item's depth and Dense-Ragged against the decode's
-    (on one-token answers Dense-Ragged is fixed@U: one row says so)."""
+    """Rule 1 per dataset, scope, before and after ragged-aware training, and ragged mode: text
+    datasets on the loss over held-out windows (ETE-Ragged), look-up tasks on the accuracy of the
+    answer over builtin items, ETE-Ragged against the whole item's depth and Dense-Ragged against
+    the decode's (on one-token answers Dense-Ragged is fixed@U: one row says so)."""
     out, full_depth = [], []
     for data in ("synthetic", "shakespeare", *POINTER_TASKS):
         lookup = data in POINTER_TASKS
         if not any(base_runs(R, data, s) for s in ("global", "local")):
-            out.append(not_run(f"ETE-Ragged past the fixed depths' frontier: {data}", "Fig. 1", "rule 1",
+            out.append(not_run(f"ETE-Ragged past the fixed depths' frontier: {data}",
+                               "Fig. 1", "rule 1",
                                f"{PREFIX[data]}-{{global,local}}-poisson-s<seed>"))
             continue
         for mode in ("ete_ragged", "dense_ragged") if lookup else ("ete_ragged",):
@@ -274,36 +290,42 @@ def frontier_claims(R):
                     continue
                 out.append(frontier_row(data, mode, scope + after, kind, runs))
     if full_depth:
-        out.append(row(f"Dense-Ragged past the fixed depths' frontier, one-token answers: {', '.join(full_depth)}",
-                       "Fig. 1", "rule 1: Dense-Ragged's ragged part is the decode",
-                       "its one answer token comes from the prompt's last position, at all U loops",
-                       "Dense-Ragged runs the prompt at full depth, and a one-token answer has no decode: it is "
-                       "fixed@U, with nothing ragged to judge",
+        out.append(row("Dense-Ragged past the fixed depths' frontier, one-token answers: "
+                       f"{', '.join(full_depth)}", "Fig. 1", "rule 1: Dense-Ragged's ragged part "
+                       "is the decode", "its one answer token comes from the prompt's last "
+                       "position, at all U loops",
+                       "Dense-Ragged runs the prompt at full depth, and a one-token answer has no "
+                       "decode: it is fixed@U, with nothing ragged to judge",
                        verdict="untested (runs at full depth)",
-                       runs=[r for d in full_depth for s in ("global", "local") for r in base_runs(R, d, s)]))
+                       runs=[r for d in full_depth for s in ("global", "local")
+                             for r in base_runs(R, d, s)]))
     return out
 
 
 def frontier_row(data, mode, kind_name, kind, runs):
     lookup = data in POINTER_TASKS
-    quality, units = ("accuracy", "models, then items") if lookup else ("loss", "models, then held-out windows")
+    quality, units = ("accuracy", "models, then items") if lookup else ("loss", "models, then "
+                                                                        "held-out windows")
     axis = AXES[mode][1] if lookup else "its mean depth"
     name = "ETE-Ragged" if mode == "ete_ragged" else "Dense-Ragged"
     word = "above 0" if kind["better"] > 0 else "below 0"
     at = next(x for x in kind["taus"] if x["t"] == THRS[0])
     cells = [f"τ {x['t']}: depth {x['depth']:.2f}, gap {ci(x['gap'], x['reps'], 3)} "
-             f"({sign_test(kind['better'] * x['own'], 'better')}); envelope rise {ci(x['rise'], x['rise_reps'], 3)}"
+             f"({sign_test(kind['better'] * x['own'], 'better')}); envelope rise "
+             f"{ci(x['rise'], x['rise_reps'], 3)}"
              f"{'' if x['testable'] else ' (the envelope does not rise there: not counted)'}; "
              f"{saved_text(x['saved'])}"
              + (" (per model " + " / ".join('–' if v is None else f'{v:.2f}' for v in x['saved']) + ")")
              for x in kind["taus"]]
     models = f"{len(runs)} model{'s' if len(runs) > 1 else ''}"
-    here = (f"{quality} gap τ {THRS[0]}: {ci(at['gap'], at['reps'], 3)} ({models}); {kind['testable']} of "
-            f"{len(kind['taus'])} τ testable, {kind['passed']} pass; {saved_text(at['saved'])}")
+    here = (f"{quality} gap τ {THRS[0]}: {ci(at['gap'], at['reps'], 3)} ({models}); "
+            f"{kind['testable']} of {len(kind['taus'])} τ testable, {kind['passed']} pass; "
+            f"{saved_text(at['saved'])}")
     return row(f"{name} past the fixed depths' frontier: {data}, {kind_name}", "Fig. 1",
                frontier_rule(quality, axis, units), here,
                f"{quality} of {name} minus the model's own envelope at {axis} ({word} is better): " + " | ".join(cells),
-               holds={"yes": True, "no": False}.get(kind["verdict"]), verdict=kind["verdict"], runs=runs)
+               holds={"yes": True, "no": False}.get(kind["verdict"]), verdict=kind["verdict"],
+               runs=runs)
 
 
 # ----------------------------------------------------------------------------- large jumps
@@ -312,7 +334,8 @@ def jump_claims(R):
     """Global enforcement gives many large jumps, local almost none (paper: 19.2% vs 0.2%), per
     dataset: global minus local over the models (each scope drawn apart, on its own stream)."""
     out = []
-    rule = ("holds when global minus local has its 95% interval (models resampled, each scope apart) above 2 points "
+    rule = ("holds when global minus local has its 95% interval (models resampled, each scope "
+            "apart) above 2 points "
             f"and global's mean is at least 3x local's; at least {MIN_MODELS} models a scope")
     for data in ("synthetic", "shakespeare", *POINTER_TASKS):
         by_scope = {s: base_runs(R, data, s) for s in ("global", "local")}
@@ -323,7 +346,8 @@ def jump_claims(R):
         g, l = np.mean(rates["global"]), np.mean(rates["local"])
         n = f"{len(rates['global'])}+{len(rates['local'])} models"
         pcts = lambda vs: " / ".join(f"{100 * v:.1f}%" for v in vs)
-        numbers = (f"large-jump rate, Poisson: global {100 * g:.1f}% (models {pcts(rates['global'])}), local "
+        numbers = (f"large-jump rate, Poisson: global {100 * g:.1f}% (models "
+                   f"{pcts(rates['global'])}), local "
                    f"{100 * l:.1f}% (models {pcts(rates['local'])})")
         claim = f"Global gives many large jumps, local almost none: {data}"
         few = too_few(len(rates["global"]), len(rates["local"]))
@@ -332,49 +356,55 @@ def jump_claims(R):
         test = permutation_test(rates["global"], rates["local"])
         holds = None if few else interval(reps)[0] > 0.02 and g >= 3 * l
         out.append(row(claim, "§6, Fig. 5", rule, f"global − local {diff} points ({n}; {test})",
-                       numbers + f"; global minus local {diff} points; {test}", holds=holds, verdict=few, runs=runs))
+                       numbers + f"; global minus local {diff} points; {test}", holds=holds,
+                       verdict=few, runs=runs))
     return out
 
 
-# ----------------------------------------------------------------------------- ragged-aware training, rule 3
+# -------------------------------------------------------------------- ragged-aware training, rule 3
 
 def noise_floor(R, data, scope):
-    """Rule 3: how far a 500-step dense continuation moves the ragged loss by its data order alone. Per
-    parent, |cont-dense - cont-dense-order2| of ETE-Ragged's loss at τ 0.5 (paired windows), averaged
-    over the parents; the floor is that mean's 95% upper bound (parents, then windows, resampled). It
-    reads the control runs alone, and is computed before any ragged-aware row. None: too few pairs."""
+    """Rule 3: how far a 500-step dense continuation moves the ragged loss by its data order alone.
+    Per parent, |cont-dense - cont-dense-order2| of ETE-Ragged's loss at τ 0.5 (paired windows),
+    averaged over the parents; the floor is that mean's 95% upper bound (parents, then windows,
+    resampled). It reads the control runs alone, and is computed before any ragged-aware row. None:
+    too few pairs."""
     pairs = [(r, R.get(r["name"] + "-order2")) for r in branch_runs(R, data, scope, "cont-dense")]
     pairs = [(a, b) for a, b in pairs if b and a.get("windows") and b.get("windows")]
     if too_few(len(pairs)):
         return None
     groups = [(a["windows"]["ragged"]["0.5"], b["windows"]["ragged"]["0.5"]) for a, b in pairs]
-    value, reps, own = per_model(groups, lambda x, y: np.abs(x - y), seed=stream("floor", data, scope))
+    value, reps, own = per_model(groups, lambda x, y: np.abs(x - y),
+                                 seed=stream("floor", data, scope))
     return dict(floor=interval(reps)[1], value=value, own=own, runs=[r for p in pairs for r in p])
 
 
 def ra_claims(R):
     """Ragged-aware training against its control, the same continuation with the dense objective,
-    each pair from the same parent: RA's ETE-Ragged loss at τ 0.5 minus the control's, paired over the
-    held-out windows, parents resampled, judged against the noise floor of that dataset and scope
-    (rule 3). The paper: under global enforcement RA brings the ragged loss down beyond what more
-    training does; under local it "does not impact much": an equivalence within the floor."""
+    each pair from the same parent: RA's ETE-Ragged loss at τ 0.5 minus the control's, paired over
+    the held-out windows, parents resampled, judged against the noise floor of that dataset and
+    scope (rule 3). The paper: under global enforcement RA brings the ragged loss down beyond what
+    more training does; under local it "does not impact much": an equivalence within the floor."""
     out = []
     for data, methods in RA_METHODS.items():
-        floors = {scope: noise_floor(R, data, scope) for scope in ("global", "local")}   # before any RA row
+        # before any RA row
+        floors = {scope: noise_floor(R, data, scope) for scope in ("global", "local")}
         pairs_of = {}
         for method in methods:
             for scope in ("global", "local"):
                 pairs = [(r, R.get(r["name"].rsplit("-ra-", 1)[0] + "-cont-dense"))
                          for r in branch_runs(R, data, scope, f"ra-{method}")]
-                pairs_of[method, scope] = [(a, b) for a, b in pairs if b and a.get("windows") and b.get("windows")]
+                pairs_of[method, scope] = [(a, b) for a, b in pairs if b and a.get("windows")
+                                           and b.get("windows")]
         if not any(pairs_of.values()):
             out.append(not_run(f"RA lowers the global ragged loss, changes the local model little: {data}",
-                               "§5, Table 5", "rule 3: against the noise floor of two dense continuations",
-                               f"{PREFIX[data]}-{{global,local}}-poisson-s<seed>-ra-{methods[0]}, -cont-dense and "
-                               "-cont-dense-order2, from each parent"))
+                               "§5, Table 5", "rule 3: against the noise floor of two dense "
+                               "continuations",
+                               f"{PREFIX[data]}-{{global,local}}-poisson-s<seed>-ra-{methods[0]}, "
+                               "-cont-dense and -cont-dense-order2, from each parent"))
             continue
-        out += [ra_row(data, scope, method, pairs, floors[scope]) for (method, scope), pairs in pairs_of.items()
-                if pairs]
+        out += [ra_row(data, scope, method, pairs, floors[scope])
+                for (method, scope), pairs in pairs_of.items() if pairs]
     return out
 
 
@@ -383,82 +413,96 @@ def ra_row(data, scope, method, pairs, floor):
     value, reps, own = per_model(groups, np.subtract, seed=stream("ra", data, scope, method))
     lo, hi = interval(reps)
     rag = lambda r: f"{r['final']['val_loss_ragged']['0.5']:.4f}"
-    numbers = (f"RA minus dense, ragged@0.5 (nats; {len(pairs)} parents, then held-out windows, resampled): "
-               f"{ci(value, reps, 4)}; {sign_test(own, 'above 0')}; per parent, RA vs dense: "
+    numbers = (f"RA minus dense, ragged@0.5 (nats; {len(pairs)} parents, then held-out windows, "
+               f"resampled): {ci(value, reps, 4)}; {sign_test(own, 'above 0')}; per parent, RA vs "
+               "dense: "
                + ", ".join(f"s{a['seed']} {rag(a)} vs {rag(b)}" for a, b in pairs))
-    if pairs[0][0].get("builtin") and pairs[0][1].get("builtin"):        # a look-up task: the hardest k's answers
+    # a look-up task: the hardest k's answers
+    if pairs[0][0].get("builtin") and pairs[0][1].get("builtin"):
         k = str(pairs[0][0]["max_k"])
         acc = lambda r: r["builtin"]["ete_ragged@0.5"][k]["acc"]
-        numbers += (f"; accuracy on {k} look-ups at ETE-Ragged τ 0.5: RA {np.mean([acc(a) for a, _ in pairs]):.2f}, "
-                    f"dense {np.mean([acc(b) for _, b in pairs]):.2f}")
+        numbers += (f"; accuracy on {k} look-ups at ETE-Ragged τ 0.5: RA "
+                    f"{np.mean([acc(a) for a, _ in pairs]):.2f}, dense "
+                    f"{np.mean([acc(b) for _, b in pairs]):.2f}")
     runs = [r for pair in pairs for r in pair]
     here = f"RA − dense {ci(value, reps, 4)} nats ({len(pairs)} parents)"
     if floor:
-        numbers += (f"; noise floor, |dense − dense on another data order| over {len(floor['own'])} parents: "
+        numbers += ("; noise floor, |dense − dense on another data order| over "
+                    f"{len(floor['own'])} parents: "
                     f"{floor['value']:.4f}, its 95% upper bound {floor['floor']:.4f} (per parent "
                     + " / ".join(f"{v:.4f}" for v in floor["own"]) + ")")
         here += f"; floor {floor['floor']:.4f}"
         runs += floor["runs"]
     if scope == "global":
-        rule = ("rule 3: holds when RA minus dense has its 95% interval below minus the noise floor (the 95% upper "
-                "bound of |dense − dense on another data order| over the parents)")
+        rule = ("rule 3: holds when RA minus dense has its 95% interval below minus the noise "
+                "floor (the 95% upper bound of |dense − dense on another data order| over the "
+                "parents)")
         claim = f"RA lowers the ragged loss beyond the dense continuation: {data}, global, {method}"
         holds = floor and hi < -floor["floor"]
     else:
-        rule = ("rule 3: holds when RA minus dense has its 95% interval within ± the noise floor (the 95% upper bound "
-                "of |dense − dense on another data order| over the parents); no when it lies wholly outside")
+        rule = ("rule 3: holds when RA minus dense has its 95% interval within ± the noise floor "
+                "(the 95% upper bound of |dense − dense on another data order| over the parents); "
+                "no when it lies wholly outside")
         claim = f"RA changes the local model little: {data}, local, {method}"
         m = floor and floor["floor"]
         holds = floor and ((-m < lo and hi < m) or (False if hi < -m or lo > m else None))
-    verdict = (too_few(len(pairs)) or ("untested (no noise floor: its -cont-dense-order2 controls are not all run)"
-                                       if not floor else "untested (its interval crosses the floor)"))
-    return row(claim, "§5, Table 5", rule, here, numbers, holds=None if too_few(len(pairs)) or not floor else holds,
-               verdict=verdict, runs=runs)
+    verdict = (too_few(len(pairs)) or ("untested (no noise floor: its -cont-dense-order2 controls "
+                                       "are not all run)"
+                                       if not floor
+                                       else "untested (its interval crosses the floor)"))
+    return row(claim, "§5, Table 5", rule, here, numbers, holds=None if too_few(len(pairs))
+               or not floor else holds, verdict=verdict, runs=runs)
 
 
 # ----------------------------------------------------------------------------- flat β (Figure 7)
 
 def flat_beta_claims(R):
-    """A flat β from the start collapses to depth-1 behaviour (Figure 7), which the paper saw over its
-    training: loops after the first act as identity, and then gain nothing over loop 1. At every
-    evaluation of the training curve, what loops 2..U gain over loop 1, flat β over the App. B schedule
-    (each pair from one seed: the same data in the same order), the seeds resampled (the curves have no
-    held-out windows: the seeds' spread sets each interval); how far each loop moves the state beside."""
+    """A flat β from the start collapses to depth-1 behaviour (Figure 7), which the paper saw over
+    its training: loops after the first act as identity, and then gain nothing over loop 1. At every
+    evaluation of the training curve, what loops 2..U gain over loop 1, flat β over the App. B
+    schedule (each pair from one seed: the same data in the same order), the seeds resampled (the
+    curves have no held-out windows: the seeds' spread sets each interval); how far each loop moves
+    the state beside."""
     out = []
-    rule = ("holds when flat over schedule has its 95% interval below 1/2 at more than half of the evaluations after "
-            "the first; else not reproduced at this scale (a run that does not collapse here says nothing of the "
-            f"paper's scale); at least {MIN_MODELS} pairs")
+    rule = ("holds when flat over schedule has its 95% interval below 1/2 at more than half of the "
+            "evaluations after the first; else not reproduced at this scale (a run that does not "
+            f"collapse here says nothing of the paper's scale); at least {MIN_MODELS} pairs")
     for scope in ("global", "local"):
         flats = branch_runs(R, "synthetic", scope, "flatbeta")
         pairs = [(f, R.get(f["name"].rsplit("-flatbeta", 1)[0])) for f in flats]
         pairs = [(f, s) for f, s in pairs if s]
         claim = f"A flat β = 0.1 collapses the loops after the first ({scope} KL)"
         if not pairs:
-            out.append(not_run(claim, "Fig. 7", rule, f"syn-{scope}-poisson-s<seed>-flatbeta, beside each parent"))
+            out.append(not_run(claim, "Fig. 7", rule, f"syn-{scope}-poisson-s<seed>-flatbeta, "
+                               "beside each parent"))
             continue
         gain = lambda c: c["val_loss_fixed"][0] - min(c["val_loss_fixed"][1:])
         evals = min(len(f["curve"]) for f, _ in pairs)
         cells, below = [], 0
         for i in range(1, evals):
-            flat, sched = [gain(f["curve"][i]) for f, _ in pairs], [gain(s["curve"][i]) for _, s in pairs]
+            flat, sched = [gain(f["curve"][i]) for f, _ in pairs], [gain(s["curve"][i])
+                                                                    for _, s in pairs]
             value, reps = replicates([([a], [b]) for a, b in zip(flat, sched)], np.divide,
                                      seed=stream("flat", scope, i))
             below += interval(reps)[1] < 0.5
             cells.append(f"{pairs[0][0]['curve'][i]['iter']}: {ci(value, reps)}")
-        with np.errstate(divide="ignore", invalid="ignore"):      # each pair's ratio at the end, less 1/2
-            last = [gain(f["curve"][evals - 1]) / gain(s["curve"][evals - 1]) - 0.5 for f, s in pairs]
+        # each pair's ratio at the end, less 1/2
+        with np.errstate(divide="ignore", invalid="ignore"):
+            last = [gain(f["curve"][evals - 1]) / gain(s["curve"][evals - 1]) - 0.5
+                    for f, s in pairs]
         shift = lambda r: " / ".join(f"{v:.2f}" for v in r["final"].get("loop_shift", []))
-        numbers = (f"{scope} KL, flat over schedule, the gain of loops 2..U over loop 1 at each evaluation "
-                   f"({len(pairs)} seeds resampled): " + "; ".join(cells)
-                   + f"; at the end, {sign_test(-np.array(last), 'below 1/2')}; how far each loop moves the state "
-                   f"at the end, ‖Δh‖/‖h‖ (seed {pairs[0][0]['seed']}): "
+        numbers = (f"{scope} KL, flat over schedule, the gain of loops 2..U over loop 1 at each "
+                   f"evaluation ({len(pairs)} seeds resampled): " + "; ".join(cells)
+                   + f"; at the end, {sign_test(-np.array(last), 'below 1/2')}; how far each loop "
+                   f"moves the state at the end, ‖Δh‖/‖h‖ (seed {pairs[0][0]['seed']}): "
                    f"{shift(pairs[0][0])} flat vs {shift(pairs[0][1])} schedule")
-        here = (f"ratio < 1/2 at {below} of {evals - 1} evaluations; at the end {cells[-1].split(': ')[1]} "
-                f"({len(pairs)} seeds)")
+        here = (f"ratio < 1/2 at {below} of {evals - 1} evaluations; at the end "
+                f"{cells[-1].split(': ')[1]} ({len(pairs)} seeds)")
         few = too_few(len(pairs))
         holds = not few and below > (evals - 1) / 2
         out.append(row(claim, "Fig. 7", rule, here, numbers, holds=True if holds else None,
-                       verdict=few or "not reproduced at this scale", runs=[r for pair in pairs for r in pair]))
+                       verdict=few or "not reproduced at this scale",
+                       runs=[r for pair in pairs for r in pair]))
     return out
 
 

@@ -19,7 +19,8 @@ Outputs in --out: results.json, records.jsonl (one line per item per mode; any f
 recomputed from it) and frontier.png.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.eval ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.eval ...")
 import contextlib
 import json
 import math
@@ -30,8 +31,8 @@ import numpy as np
 import torch
 
 from checkpoint import load_for_script, write_json
-from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError, check_writable, parse,
-                          run_cli, set_threads)
+from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError,
+                          check_writable, parse, run_cli, set_threads)
 from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
@@ -76,17 +77,21 @@ DEFAULTS = dict(
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
 )
-RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_multi"], builtin_items="in [1, 100000]",
-             builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0", max_tokens=">= 1",
-             temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0", batch_size=">= 1",
-             max_batch=">= 1", kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES,
-             seed=SEED_RULE, **MODEL_RUN_RULES,
-             k=lambda v: None if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
+RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_multi"],
+             builtin_items="in [1, 100000]",
+             builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
+             max_tokens=">= 1",
+             temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0",
+             batch_size=">= 1", max_batch=">= 1", kv_pages=">= 0", attn=IMPLS,
+             head=["auto"] + HEADS, engine=ENGINES, seed=SEED_RULE, **MODEL_RUN_RULES,
+             k=lambda v: None
+             if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
 # the keys that act only with another setting: refused without it (they would do nothing)
 builtin = ("--builtin=synthetic (or another suite)", lambda c: c["builtin"])
-NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin, builtin_max_k=builtin,
-             lm_eval_include=("--lm_eval=TASKS", lambda c: c["lm_eval"]), **SAMPLING_NEEDS)
+NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin,
+             builtin_max_k=builtin, lm_eval_include=("--lm_eval=TASKS", lambda c: c["lm_eval"]),
+             **SAMPLING_NEEDS)
 
 
 # ----------------------------------------------------------------------------- modes
@@ -99,10 +104,13 @@ def parse_modes(text, U):
         try:
             value = float(arg)
         except ValueError:
-            raise UserError(f"--modes: {part!r} is not mode@value (fixed@k, dense_ragged@τ, ete_ragged@τ, ouro@τ)")
+            raise UserError(f"--modes: {part!r} is not mode@value (fixed@k, dense_ragged@τ, "
+                            "ete_ragged@τ, ouro@τ)")
         if mode not in SCORED:
-            raise UserError(f"--modes: {part!r}: mode {mode!r} is not scored here; allowed: {', '.join(SCORED)}"
-                            + (" (the Table 17 baselines are decode-only: sample.py)" if mode in MODES else ""))
+            raise UserError(f"--modes: {part!r}: mode {mode!r} is not scored here; allowed: "
+                            f"{', '.join(SCORED)}"
+                            + (" (the Table 17 baselines are decode-only: sample.py)"
+                               if mode in MODES else ""))
         if mode == "fixed":
             if value != int(value) or not 0 <= value <= U:
                 raise UserError(f"--modes: {part!r}: fixed@k needs k in 0..{U} (0: all {U} loops)")
@@ -165,24 +173,29 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
         mine = [(j, scores[p]) for p, (ii, j) in enumerate(owners) if ii == i]
         ll = [s[0] for _, s in mine]
         lens = [len(ch) for ch in (item.get("choices") or item["choices_ids"])]
-        pred, pred_norm = int(np.argmax(ll)), int(np.argmax([l / max(n, 1) for l, n in zip(ll, lens)]))
+        pred, pred_norm = int(np.argmax(ll)), int(np.argmax([l / max(n, 1)
+                                                             for l, n in zip(ll, lens)]))
         acc.append(pred == item["answer"])
         acc_norm.append(pred_norm == item["answer"])
         ex = [e for _, s in mine for e in s[2]]
         depths.extend(ex)
-        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="mc", loglik=ll, pred=pred,
-                            pred_norm=pred_norm, answer=item["answer"], correct=pred == item["answer"], exits=ex,
+        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="mc",
+                            loglik=ll, pred=pred,
+                            pred_norm=pred_norm, answer=item["answer"],
+                            correct=pred == item["answer"], exits=ex,
                             difficulty=item.get("difficulty")))
     d = float(np.mean(depths)) if depths else None
-    return dict(acc=mean_stderr(acc)[0], acc_norm=mean_stderr(acc_norm)[0], stderr=mean_stderr(acc)[1],
-                avg_depth={"prefill": d, "decode": None, "overall": d}), records
+    return dict(acc=mean_stderr(acc)[0], acc_norm=mean_stderr(acc_norm)[0],
+                stderr=mean_stderr(acc)[1], avg_depth={"prefill": d, "decode": None, "overall": d}), records
 
 
 def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
-    unless --kv_pages says otherwise, with --attn, --head and --engine, on the scheduler for the mode."""
-    return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"], attn=c["attn"],
-                      head=c["head"], scheduler=scheduler_for(mode), engine=c["engine"],
+    unless --kv_pages says otherwise, with --attn, --head and --engine, on the scheduler for the
+    mode."""
+    return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"],
+                      attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
+                      engine=c["engine"],
                       sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])])
 
 
@@ -196,12 +209,14 @@ def gen_prompt_ids(item, shots, c, encode):
     text = gen_prompt_text(item, shots, c["chat"])
     try:
         if c["chat"]:                                    # App. E.1: Ouro Thinking, thinking on
-            return chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode, think=True)
-        return encode(text) or list(c["start_ids"])     # empty: the start of a text, as sample.py and the server
+            return chat_ids([("system", "You are a helpful assistant."), ("user", text)], encode,
+                            think=True)
+        # empty: the start of a text, as sample.py and the server
+        return encode(text) or list(c["start_ids"])
     except UserError as e:
-        raise UserError(f"the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') adds text "
-                        f"this model cannot encode: {e}; give prompt_ids, or extract='prefix' with "
-                        f"--shots=0") from None
+        raise UserError("the prompt template (App. D: 'Q: ... A:', exemplars, 'The answer is') "
+                        f"adds text this model cannot encode: {e}; give prompt_ids, or "
+                        "extract='prefix' with --shots=0") from None
 
 
 def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
@@ -209,29 +224,33 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
     mode, thr, depth = spec
     engine = generation_engine(model, c, mode)
     stop = c["stop"].encode().decode("unicode_escape") if c["stop"] else ""
-    eos = c["eos_ids"]                                   # the end of text, or of the assistant's turn
+    # the end of text, or of the assistant's turn
+    eos = c["eos_ids"]
     reqs = []
     for i, item in enumerate(items):
         with item_errors(task, i):
             ids = gen_prompt_ids(item, shots, c, encode)
-        cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"], model.config.block_size - len(ids))
+        cap = min(item.get("max_tokens", c["max_tokens"]), c["max_tokens"],
+                  model.config.block_size - len(ids))
         if cap < 1:
-            raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the context is "
-                            f"{model.config.block_size}")
+            raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the "
+                            f"context is {model.config.block_size}")
         for j in range(c["n"]):
             r = Request(ids, cap, mode, thr=0.5 if thr is None else thr, depth=depth or 0,
-                        temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"] + 1000 * i + j,
-                        stop=tuple(eos), tag=i)
+                        temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"],
+                        seed=c["seed"] + 1000 * i + j, stop=tuple(eos), tag=i)
             if stop and decode is not None and item.get("extract", "answer_is") != "prefix":
-                def on_token(r, tok, stop=stop):      # the next exemplar begins: this rollout is done
+                # the next exemplar begins: this rollout is done
+                def on_token(r, tok, stop=stop):
                     if tok is not None and stop in decode(r.tokens):
                         r.cancelled = True
                 r.on_token = on_token
-            with item_errors(task, i):                # a token id outside the vocabulary: named before any run
+            # a token id outside the vocabulary: named before any run
+            with item_errors(task, i):
                 reqs.append(engine.add(r))
     from tqdm import tqdm
-    with tqdm(total=len(reqs), desc=f"{task} {mode_name(*spec)}", unit="rollout", file=sys.stderr, disable=None,
-              leave=False) as bar:
+    with tqdm(total=len(reqs), desc=f"{task} {mode_name(*spec)}", unit="rollout", file=sys.stderr,
+              disable=None, leave=False) as bar:
         done = 0
         while engine.busy():
             engine.step()
@@ -265,12 +284,16 @@ def score_rollouts(items, reqs, task, spec, stop, decode, ks, U):
             de += r.decode_exits
         for k in ks:
             per_k[k].append(pass_at_k(len(correct), sum(correct), k))
-        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="gen", completions=comps,
-                            extracted=answers, correct=correct, answer=item.get("answer", item.get("answer_ids")),
+        records.append(dict(task=task, mode=mode, thr=thr, depth=depth, item=i, type="gen",
+                            completions=comps,
+                            extracted=answers, correct=correct,
+                            answer=item.get("answer", item.get("answer_ids")),
                             difficulty=item.get("difficulty"), kind=item.get("kind"),
                             answer_depth=[r.token_exits[0] if r.token_exits else None for r in mine],
-                            answer_exits=[r.token_exits for r in mine], answer_labels=item.get("answer_labels"),
-                            prompt_exits=[r.prompt_exits for r in mine], decode_exits=[r.decode_exits for r in mine]))
+                            answer_exits=[r.token_exits for r in mine],
+                            answer_labels=item.get("answer_labels"),
+                            prompt_exits=[r.prompt_exits for r in mine],
+                            decode_exits=[r.decode_exits for r in mine]))
     mean = lambda xs: float(np.mean(xs)) if xs else None
     return dict(pass_at={str(k): mean_stderr(v)[0] for k, v in per_k.items()},
                 stderr={str(k): mean_stderr(v)[1] for k, v in per_k.items()},
@@ -291,22 +314,26 @@ def by_difficulty(records):
                            "answer_depth": float(np.mean(depth)) if depth else None}
         if rs[0]["type"] == "gen":
             out[str(level)]["rollouts"] = {
-                "correct": [int(x) for x in correct], "answer_depth": [d for r in rs for d in r["answer_depth"]],
-                "sum_exits": [sum(p) + (d or 0) for r in rs for p, d in zip(r["prompt_exits"], r["answer_depth"])],
-                # every position run, its exit: the prompt's, then the answer's past its first token (the
-                # last prompt position samples that one), and what each answer token needed
+                "correct": [int(x) for x in correct],
+                "answer_depth": [d for r in rs for d in r["answer_depth"]],
+                "sum_exits": [sum(p) + (d or 0) for r in rs
+                              for p, d in zip(r["prompt_exits"], r["answer_depth"])],
+                # every position run, its exit: the prompt's, then the answer's past its first token
+                # (the last prompt position samples that one), and what each answer token needed
                 "prompt_exits": [p for r in rs for p in r["prompt_exits"]],
                 "decode_exits": [d for r in rs for d in r["decode_exits"]],
                 "answer_exits": [a for r in rs for a in r["answer_exits"]]}
-            if rs[0].get("answer_labels"):     # an answer of several labelled tokens, one character each
-                out[str(level)]["rollouts"]["answer_labels"] = [r["answer_labels"] for r in rs for _ in r["correct"]]
+            # an answer of several labelled tokens, one character each
+            if rs[0].get("answer_labels"):
+                out[str(level)]["rollouts"]["answer_labels"] = [r["answer_labels"] for r in rs
+                                                                for _ in r["correct"]]
                 out[str(level)]["rollouts"]["token_right"] = [
                     [int(c == a) for c, a in zip(text.ljust(len(r["answer"])), r["answer"])]
                     for r in rs for text in r["completions"]]
     return out
 
 
-# ----------------------------------------------------------------------------- lm-evaluation-harness
+# ---------------------------------------------------------------------------- lm-evaluation-harness
 
 def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
     """Our model in one mode as an lm-evaluation-harness LM, so that its task zoo runs as is."""
@@ -315,8 +342,10 @@ def lm_eval_adapter(model, encode, decode, mode, thr, depth, c, device):
 
     class LoopedLM(LM):
         def loglikelihood(self, requests):
-            pairs = [(encode(ctx) or prefix, encode(cont)) for ctx, cont in (r.args for r in requests)]
-            return [(lp, greedy) for lp, greedy, _ in continuation_logprobs(model, pairs, mode, thr, depth,
+            pairs = [(encode(ctx) or prefix, encode(cont))
+                     for ctx, cont in (r.args for r in requests)]
+            return [(lp, greedy) for lp, greedy, _ in continuation_logprobs(model, pairs, mode,
+                                                                            thr, depth,
                                                                              c["batch_size"], device)]
 
         def loglikelihood_rolling(self, requests):
@@ -368,12 +397,13 @@ def check_lm_eval_tasks(c):
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and its tasks' datasets")
+        raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and "
+                        "its tasks' datasets")
     known = set(TaskManager(include_path=c["lm_eval_include"] or None).all_tasks)
     unknown = [t for t in c["lm_eval"].split(",") if t and t not in known]
     if unknown:
-        raise UserError(f"--lm_eval={c['lm_eval']}: unknown task {unknown[0]!r} (lm-eval knows {len(known)} tasks; "
-                        "--lm_eval_include adds task YAMLs of your own)")
+        raise UserError(f"--lm_eval={c['lm_eval']}: unknown task {unknown[0]!r} (lm-eval knows "
+                        f"{len(known)} tasks; --lm_eval_include adds task YAMLs of your own)")
 
 
 def run_lm_eval(model, encode, decode, specs, c, device):
@@ -384,19 +414,24 @@ def run_lm_eval(model, encode, decode, specs, c, device):
     runs = []
     for spec in specs:
         try:
-            res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec, c, device),
+            res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec,
+                                                                c, device),
                                           tasks=[t for t in c["lm_eval"].split(",") if t],
                                           num_fewshot=c["shots"] or None, limit=c["limit"] or None,
                                           task_manager=manager)
         except (UserError, KeyboardInterrupt):
             raise
-        except Exception as e:       # its task's data could not be loaded (offline, a missing local file), ...
-            raise UserError(f"--lm_eval={c['lm_eval']}: lm-evaluation-harness failed to run it: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200] if str(e) else ''} (offline? its datasets must be on disk)")
+        except Exception as e:
+            # its task's data could not be loaded (offline, a missing local file), ...
+            raise UserError(f"--lm_eval={c['lm_eval']}: lm-evaluation-harness failed to run it: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} "
+                            "(offline? its datasets must be on disk)")
         for task, metrics in res["results"].items():
-            runs.append(dict(task=f"lm_eval:{task}", mode=spec[0], thr=spec[1], depth=spec[2], n_items=None,
-                             acc=metrics.get("acc,none"), acc_norm=metrics.get("acc_norm,none"), pass_at=None,
-                             stderr=metrics.get("acc_stderr,none"), avg_depth=None, lm_eval=metrics))
+            runs.append(dict(task=f"lm_eval:{task}", mode=spec[0], thr=spec[1], depth=spec[2],
+                             n_items=None,
+                             acc=metrics.get("acc,none"), acc_norm=metrics.get("acc_norm,none"),
+                             pass_at=None, stderr=metrics.get("acc_stderr,none"), avg_depth=None,
+                             lm_eval=metrics))
     return runs
 
 
@@ -503,18 +538,20 @@ def score_task(model, task, items, specs, c, encode, decode, ks):
             if not group:
                 continue
             exemplars = [s for s in shots if s["type"] == kind]
-            summary, recs = (run_mc(model, group, task, spec, c, encode, device, exemplars) if kind == "mc" else
+            summary, recs = (run_mc(model, group, task, spec, c, encode, device, exemplars)
+                             if kind == "mc" else
                              run_gen(model, group, task, spec, c, encode, decode, exemplars, ks))
-            run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2], n_items=len(group), acc=None,
-                       acc_norm=None, pass_at=None, stderr=None, avg_depth=None)
+            run = dict(task=task, mode=spec[0], thr=spec[1], depth=spec[2],
+                       n_items=len(group), acc=None, acc_norm=None, pass_at=None, stderr=None,
+                       avg_depth=None)
             run.update(summary)
             if any(r.get("difficulty") for r in recs):
                 run["by_difficulty"] = by_difficulty(recs)
             runs.append(run)
             records.extend(recs)
             depths = ", ".join(f"{k} {v:.2f}" for k, v in run["avg_depth"].items() if v is not None)
-            print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score_of(run):.3f} (n={len(group)}); "
-                  f"avg depth {depths}", file=sys.stderr)
+            print(f"{task:<14} {mode_name(*spec):<18} {kind}: score {score_of(run):.3f} "
+                  f"(n={len(group)}); avg depth {depths}", file=sys.stderr)
     return runs, records
 
 

@@ -15,7 +15,8 @@ generation_config.json), so that the folder is whole. Needs the optional `safete
 `tokenizers` for tokenizer.json; a GPT-2 tokenized checkpoint offline: --tiktoken_file).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.export_ouro ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.export_ouro ...")
 import sys
 
 import torch
@@ -38,9 +39,11 @@ def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     check_writable(c["out"], "out")
     model, ckpt = load_checkpoint(c["ckpt"])
-    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"], c["tiktoken_file"])
+    export_ouro(model, c["out"], ckpt.get("meta"), DTYPES[c["dtype"]], c["force"],
+                c["tiktoken_file"])
     print(f"wrote Ouro folder {c['out']} ({model.num_params():,} parameters, "
-          f"{c['dtype'] or str(model.lm_head.weight.dtype).replace('torch.', '')})", file=sys.stderr)
+          f"{c['dtype'] or str(model.lm_head.weight.dtype).replace('torch.', '')})",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ and 7), exits by difficulty, and the graded task per k with its compute-matched 
 Needs the optional matplotlib.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.figures ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.figures ...")
 import os
 
 import numpy as np
@@ -32,7 +33,8 @@ def draw(results, out, seeds):
     made = []
     figures = ([(figure_frontier, pair), (figure_fractions, pair), (figure_trace, pair)]
                + [(figure_trace, task) for task in tasks]
-               + [(figure_curves, pair), (figure_flat_beta, pair), (figure_difficulty, pair), (figure_graded, pair)])
+               + [(figure_curves, pair), (figure_flat_beta, pair), (figure_difficulty, pair),
+                  (figure_graded, pair)])
     for figure, runs in figures:
         drawn = figure(plt, R, runs, s0)
         if drawn:
@@ -52,10 +54,12 @@ def figure_frontier(plt, R, pair, s0):
             continue
         f, col = r["final"], COLORS.get(s, "tab:green")
         U = len(f["val_loss_fixed"])
-        ax.plot(range(1, U + 1), f["val_loss_fixed"], "o--", color=col, alpha=0.6, label=f"{s}: fixed@k")
+        ax.plot(range(1, U + 1), f["val_loss_fixed"], "o--", color=col, alpha=0.6,
+                label=f"{s}: fixed@k")
         pts = sorted((f["ragged_depth"][str(t)], f["val_loss_ragged"][str(t)]) for t in THRS)
         ax.plot(*zip(*pts), "s-", color=col, label=f"{s}: ETE-Ragged τ ∈ {{0.2..0.7}}")
-    ax.set(xlabel="average exit depth", ylabel="val loss (nats/token)", title="Poisson prior, synthetic")
+    ax.set(xlabel="average exit depth", ylabel="val loss (nats/token)", title="Poisson prior, "
+           "synthetic")
     ax.legend(fontsize=7)
     return fig, "frontier.png", "Loss against average depth: fixed depths and ragged thresholds (Figure 1)"
 
@@ -69,7 +73,8 @@ def figure_fractions(plt, R, pair, s0):
             r = R.get(f"syn-{s}-{prior}-s{s0}")
             if r:
                 fr = r["final"]["exit_fractions"]
-                ax.bar(np.arange(1, len(fr) + 1) + (j - 0.5) * 0.38, fr, 0.38, color=COLORS[s], label=s)
+                ax.bar(np.arange(1, len(fr) + 1) + (j - 0.5) * 0.38, fr, 0.38,
+                       color=COLORS[s], label=s)
         ax.set(title=prior, xlabel="exit depth")
     axes[0].set_ylabel("fraction of tokens (τ = 0.5)")
     axes[0].legend()
@@ -88,7 +93,8 @@ def figure_trace(plt, R, pair, s0):
             ax.scatter(hard, [tr["exits"][i] for i in hard], color="black", zorder=3, s=18,
                        label="hard token (label > 0)")
             ax.set_xticks(x)
-            ax.set_xticklabels([t if t.strip() else "·" for t in tr["tokens"]], fontsize=6, family="monospace")
+            ax.set_xticklabels([t if t.strip() else "·" for t in tr["tokens"]], fontsize=6,
+                               family="monospace")
             ax.set(ylabel="exit depth", yticks=range(1, 5),
                    title=f"{s} enforcement: the depth that predicted each token (τ = {tr['thr']})")
             ax.legend(fontsize=7, loc="upper right")
@@ -100,42 +106,51 @@ def figure_trace(plt, R, pair, s0):
 
 def figure_curves(plt, R, pair, s0):
     """Figure 5 (and 7): training curves, the ragged-aware branch and its dense control after the
-    global parent, and the loss gain of loops 2..U over loop 1 (what a collapse to depth 1 removes)."""
+    global parent, and the loss gain of loops 2..U over loop 1 (what a collapse to depth 1
+    removes)."""
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
-    runs = pair + [(R.get(f"syn-{s}-poisson-s{s0}-flatbeta"), f"{s}, flat β=0.1") for s in ("global", "local")]
+    runs = pair + [(R.get(f"syn-{s}-poisson-s{s0}-flatbeta"), f"{s}, flat β=0.1")
+                   for s in ("global", "local")]
     for r, s in runs:
         if not r:
             continue
         col = COLORS.get(s, "tab:orange" if s.startswith("global") else "tab:purple")
         late = r["curve"][1:]   # the untrained model's loss would flatten everything after it
         toks = [p["tokens"] for p in late]
-        a1.plot(toks, [p["val_loss_fixed"][-1] for p in late], "--", color=col, label=f"{s}: fixed@U")
-        a1.plot(toks, [p["val_loss_ragged"]["0.5"] for p in late], "-", color=col, label=f"{s}: ragged@0.5")
-        a2.plot([p["tokens"] for p in r["curve"]], [p["avg_exit_depth"] for p in r["curve"]], "-", color=col, label=s)
-        a3.plot(toks, [p["val_loss_fixed"][0] - min(p["val_loss_fixed"][1:]) for p in late], "-", color=col, label=s)
+        a1.plot(toks, [p["val_loss_fixed"][-1] for p in late], "--", color=col,
+                label=f"{s}: fixed@U")
+        a1.plot(toks, [p["val_loss_ragged"]["0.5"] for p in late], "-", color=col,
+                label=f"{s}: ragged@0.5")
+        a2.plot([p["tokens"] for p in r["curve"]], [p["avg_exit_depth"] for p in r["curve"]], "-",
+                color=col, label=s)
+        a3.plot(toks, [p["val_loss_fixed"][0] - min(p["val_loss_fixed"][1:]) for p in late], "-",
+                color=col, label=s)
     parent = R.get(f"syn-global-poisson-s{s0}")
-    branches = (("ra-direct", "-", "global + RA direct"), ("cont-dense", ":", "global, dense continuation"))
+    branches = (("ra-direct", "-", "global + RA direct"),
+                ("cont-dense", ":", "global, dense continuation"))
     for name, style, label in branches:
         r = R.get(f"syn-global-poisson-s{s0}-{name}")
         if r and parent:      # a branch's tokens count from its parent's end
             start = parent["curve"][-1]["tokens"]
-            a1.plot([start + p["tokens"] for p in r["curve"]], [p["val_loss_ragged"]["0.5"] for p in r["curve"]], style,
+            a1.plot([start + p["tokens"] for p in r["curve"]],
+                    [p["val_loss_ragged"]["0.5"] for p in r["curve"]], style,
                     color="tab:green", label=f"{label}: ragged@0.5")
     a1.set(xlabel="tokens", ylabel="val loss (nats/token, from the second eval)")
     a2.set(xlabel="tokens", ylabel="average exit depth (τ = 0.5)")
     a3.set(xlabel="tokens", ylabel="loss gain of loops 2..U over loop 1")
     for ax in (a1, a2, a3):
         ax.legend(fontsize=7)
-    caption = ("Training curves, Poisson prior: loss, average exit depth, and what loops 2..U gain over loop 1, "
-               "with a flat β and the ragged-aware branch (Figures 5, 7)")
+    caption = ("Training curves, Poisson prior: loss, average exit depth, and what loops 2..U gain "
+               "over loop 1, with a flat β and the ragged-aware branch (Figures 5, 7)")
     return fig, "training_curves.png", caption
 
 
 def figure_flat_beta(plt, R, pair, s0):
-    """Figure 7 over the training: at each evaluation, what loops 2..U gain over loop 1 with a flat β
-    over what they gain with the schedule, each seed a line, per scope (below 1/2: a collapse)."""
+    """Figure 7 over the training: at each evaluation, what loops 2..U gain over loop 1 with a flat
+    β over what they gain with the schedule, each seed a line, per scope (below 1/2: a collapse)."""
     gain = lambda c: c["val_loss_fixed"][0] - min(c["val_loss_fixed"][1:])
-    pairs = {s: [(f, R.get(f["name"].rsplit("-flatbeta", 1)[0])) for f in branch_runs(R, "synthetic", s, "flatbeta")]
+    pairs = {s: [(f, R.get(f["name"].rsplit("-flatbeta", 1)[0]))
+                 for f in branch_runs(R, "synthetic", s, "flatbeta")]
              for s in ("global", "local")}
     if not any(pairs.values()):
         return None
@@ -143,8 +158,9 @@ def figure_flat_beta(plt, R, pair, s0):
     for s, ps in pairs.items():
         for f, sched in (p for p in ps if p[1]):
             its = [c["iter"] for c in f["curve"][1:]]
-            ax.plot(its, [gain(a) / gain(b) for a, b in zip(f["curve"][1:], sched["curve"][1:])], "-o", ms=3,
-                    color=COLORS[s], alpha=0.7, label=f"{s} KL" if f is ps[0][0] else None)
+            ax.plot(its, [gain(a) / gain(b) for a, b in zip(f["curve"][1:], sched["curve"][1:])],
+                    "-o", ms=3, color=COLORS[s], alpha=0.7, label=f"{s} KL" if f is ps[0][0]
+                    else None)
     ax.axhline(0.5, color="gray", ls=":", label="1/2: a collapse")
     ax.set(xlabel="iteration", ylabel="gain of loops 2..U, flat β / schedule", yscale="log")
     ax.legend(fontsize=7)
@@ -153,7 +169,8 @@ def figure_flat_beta(plt, R, pair, s0):
 
 def figure_graded(plt, R, pair, s0):
     """The graded task: the answer's exit depth and the accuracy at the exit per k, local against
-    global at each τ (seed means; bars: 95% intervals over seeds and items), fixed@k's accuracy beside."""
+    global at each τ (seed means; bars: 95% intervals over seeds and items), fixed@k's accuracy
+    beside."""
     runs = {s: [r["builtin"] for r in graded_runs(R, s)] for s in ("local", "global")}
     if not all(runs.values()):
         return None
@@ -166,40 +183,46 @@ def figure_graded(plt, R, pair, s0):
                           for k in levels]
                 mid = [p for p, _ in points]
                 err = np.abs(np.array([np.percentile(r, [2.5, 97.5]) for _, r in points]).T - mid)
-                ax.errorbar(np.array(levels) + (j - 1.5) * 0.06 + (0.25 if s == "global" else 0), mid, yerr=err,
-                            fmt="o-" if s == "global" else "s--", color=COLORS[s], alpha=0.4 + 0.15 * j, ms=3,
-                            label=f"{s} τ {t}")
+                ax.errorbar(np.array(levels) + (j - 1.5) * 0.06 + (0.25 if s == "global" else 0),
+                            mid, yerr=err,
+                            fmt="o-" if s == "global" else "s--", color=COLORS[s],
+                            alpha=0.4 + 0.15 * j, ms=3, label=f"{s} τ {t}")
     fixed = [np.mean([rollouts(b, f"fixed@{k}", k, "correct").mean() for s in runs for b in runs[s]]) for k in levels]
     a2.plot(levels, fixed, "k^:", label="fixed@k on k look-ups")
     a1.plot(levels, levels, "k:", label="depth = k")
-    a1.set(xlabel="k (look-ups the queried chain needs)", ylabel="exit depth at the answer", xticks=levels)
+    a1.set(xlabel="k (look-ups the queried chain needs)", ylabel="exit depth at the answer",
+           xticks=levels)
     a2.set(xlabel="k", ylabel="accuracy at the exit", xticks=levels, ylim=(0, 1.05))
     a1.legend(fontsize=6, ncol=2)
     a2.legend(fontsize=6, ncol=2)
     compute_frontier(a3, R, runs, levels)
-    return fig, "graded_by_k.png", ("The graded task: answer depth and accuracy per hidden k, local vs global, per τ; "
-                                    "accuracy against compute (Σ e over the item), every k together")
+    return fig, "graded_by_k.png", ("The graded task: answer depth and accuracy per hidden k, "
+                                    "local vs global, per τ; accuracy against compute (Σ e over "
+                                    "the item), every k together")
 
 
 def compute_frontier(ax, R, runs, levels):
     """Accuracy against the loops spent on the whole item (Σ e), every k pooled: each fixed depth as
     a curve per scope, ETE-Ragged at each τ as points, and after ragged-aware training (the direct
     branches). Seeds and items pooled; the intervals are in RESULTS.md."""
-    pool = lambda suites, mode, key: np.concatenate([rollouts(b, mode, k, key) for b in suites for k in levels])
+    pool = lambda suites, mode, key: np.concatenate([rollouts(b, mode, k, key) for b in suites
+                                                     for k in levels])
     for s, suites in runs.items():
         ra = [r["builtin"] for n, r in sorted(R.items()) if n.startswith(f"grd-{s}-poisson-s")
               and n.endswith("-ra-direct") and r.get("builtin")]
         for label, group, marker in ((s, suites, "o"), (f"{s} + RA", ra, "*")):
             if not group:
                 continue
-            spend = lambda mode: (pool(group, mode, "sum_exits").mean(), pool(group, mode, "correct").mean())
+            spend = lambda mode: (pool(group, mode, "sum_exits").mean(),
+                                  pool(group, mode, "correct").mean())
             if marker == "o":
                 fx = [spend(f"fixed@{d}") for d in range(1, deepest(group[0]) + 1)]
                 ax.plot(*zip(*fx), "^:", color=COLORS[s], label=f"{s}: fixed@1..U")
             ete = [spend(f"ete_ragged@{t}") for t in sorted(THRS)]
             ax.plot(*zip(*ete), marker, color=COLORS[s], ms=7 if marker == "*" else 4, ls="none",
                     label=f"{label}: ETE-Ragged τ {' / '.join(map(str, sorted(THRS)))}")
-    ax.set(xlabel="Σ e over the item (loops, prompt and answer)", ylabel="accuracy, every k", ylim=(0, 1.05))
+    ax.set(xlabel="Σ e over the item (loops, prompt and answer)", ylabel="accuracy, every k",
+           ylim=(0, 1.05))
     ax.legend(fontsize=6)
 
 
@@ -211,8 +234,8 @@ def figure_difficulty(plt, R, pair, s0):
             by = r["final"]["depth_by_difficulty"]
             ys = [by[str(k)] if by.get(str(k)) is not None else np.nan for k in range(5)]
             ax.bar(np.arange(5) + (j - 0.5) * 0.38, ys, 0.38, color=COLORS[s], label=s)
-    ax.set(xticks=range(5), xticklabels=["unlabelled", "1", "2", "3", "4"], xlabel="difficulty of the next token",
-           ylabel="mean exit depth (τ = 0.5)")
+    ax.set(xticks=range(5), xticklabels=["unlabelled", "1", "2", "3", "4"], xlabel="difficulty of "
+           "the next token", ylabel="mean exit depth (τ = 0.5)")
     ax.legend()
     return fig, "depth_by_difficulty.png", "Mean exit depth before a token, by its difficulty, local vs global"
 

@@ -8,7 +8,8 @@ and the host's time a pass, on a batch or a queue. lab/bench_gpu.py reports them
 shape; tests/test_slots.py holds the tiny shape's.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.gpu_counts ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.gpu_counts ...")
 import contextlib
 import os
 import time
@@ -31,11 +32,11 @@ class Fused(Exception):
 
 @contextlib.contextmanager
 def inductor_launches():
-    """What Inductor launches for the graph compiled inside this block, read from its own scheduling:
-    its Triton backend (the one CUDA uses, on a CPU too), stopped with Fused once the scheduler has
-    fused the graph, before any code is generated. Yields a list that receives one kind per launch:
-    "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another operator: the paged
-    attention)."""
+    """What Inductor launches for the graph compiled inside this block, read from its own
+    scheduling: its Triton backend (the one CUDA uses, on a CPU too), stopped with Fused once the
+    scheduler has fused the graph, before any code is generated. Yields a list that receives one
+    kind per launch: "kernel" (a generated Triton kernel), "gemm" (a cuBLAS call), "op" (another
+    operator: the paged attention)."""
     import torch._inductor.config as inductor_config
     import torch._inductor.scheduler as scheduler
     kinds = []
@@ -45,9 +46,11 @@ def inductor_launches():
             kind = type(node).__name__
             if kind in ("SchedulerNode", "FusedSchedulerNode"):
                 kinds.append("kernel")
-            elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":   # a tuple's item
+            elif kind == "ExternKernelSchedulerNode" and type(node.node).__name__ != "MultiOutput":
+                # a tuple's item
                 name = str(getattr(node.node, "python_kernel_name", "") or "")
-                kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm") else "op")
+                kinds.append("gemm" if name.split(".")[-1] in ("mm", "addmm", "bmm", "baddbmm")
+                             else "op")
         raise Fused
     torch._dynamo.reset()
     codegen, scheduler.Scheduler.codegen = scheduler.Scheduler.codegen, stop
@@ -63,8 +66,9 @@ def inductor_launches():
 
 
 class CountOnCpu(CudaGraphs):
-    """The CUDA graph API where there is none, for counting alone: the engine captures as on a GPU (its
-    first capture compiles the pass, and the count stops it there: nothing is recorded or replayed)."""
+    """The CUDA graph API where there is none, for counting alone: the engine captures as on a GPU
+    (its first capture compiles the pass, and the count stops it there: nothing is recorded or
+    replayed)."""
 
     def can_capture(self, device):
         return True
@@ -74,18 +78,19 @@ class CountOnCpu(CudaGraphs):
 
 
 def captured_launches(model):
-    """The launches of the first pass the slot engine captures when it starts (the smallest bucket, 2
-    rows; head on; the greedy draw; the Triton attention, as on CUDA), counted from the compile that the
-    capture itself makes, in the capture's own mode: what the replays run."""
+    """The launches of the first pass the slot engine captures when it starts (the smallest bucket,
+    2 rows; head on; the greedy draw; the Triton attention, as on CUDA), counted from the compile
+    that the capture itself makes, in the capture's own mode: what the replays run."""
     gpu = slot_pass.GRAPHS.can_capture(model.lm_head.weight.device)
     saved, slot_pass.GRAPHS = slot_pass.GRAPHS, slot_pass.GRAPHS if gpu else CountOnCpu()
     interpret = os.environ.get("TRITON_INTERPRET")
     if not gpu:
-        os.environ["TRITON_INTERPRET"] = "1"      # the attention kernel is scheduled here, never run
+        # the attention kernel is scheduled here, never run
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         with inductor_launches() as kinds:
-            Engine(model, 64, max_batch=1, max_rows=1, attn="triton", runner="slots", graphs=True, fuse=True,
-                   sampling=("greedy",))
+            Engine(model, 64, max_batch=1, max_rows=1, attn="triton", runner="slots", graphs=True,
+                   fuse=True, sampling=("greedy",))
     finally:
         slot_pass.GRAPHS = saved
         if interpret is None:
@@ -99,17 +104,18 @@ def captured_launches(model):
 
 class HostTraffic(TorchFunctionMode):
     """Counts what the host does to the device while it is active, on any device: the device is the
-    tensors it is given (an engine's buffers and weights) and every tensor computed from them or made
-    with device=`device`. A host-to-device copy: a tensor of host data (more than a number) meeting a
-    device tensor in one call (a write's value or index, copy_, an index), or sent by .to(device),
-    torch.tensor(..., device=device); device-to-host copies into host tensors are counted apart. A
-    sync: a device value read on the host (.item(), .tolist(), bool(), .cpu(), nonzero, ...). A
-    launch: a call that computes on the device (writes a device tensor in place, or makes one that is
-    not a view), counted only outside `passes()`, where the engine replays its graphs."""
-    SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "equal",
-             "allclose"}
-    MADE = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "zeros_like", "ones_like", "full_like",
-            "empty_like", "rand", "randn", "randint"}
+    tensors it is given (an engine's buffers and weights) and every tensor computed from them or
+    made with device=`device`. A host-to-device copy: a tensor of host data (more than a number)
+    meeting a device tensor in one call (a write's value or index, copy_, an index), or sent by
+    .to(device), torch.tensor(..., device=device); device-to-host copies into host tensors are
+    counted apart. A sync: a device value read on the host (.item(), .tolist(), bool(), .cpu(),
+    nonzero, ...). A launch: a call that computes on the device (writes a device tensor in place, or
+    makes one that is not a view), counted only outside `passes()`, where the engine replays its
+    graphs."""
+    SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
+             "nonzero", "equal", "allclose"}
+    MADE = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "zeros_like",
+            "ones_like", "full_like", "empty_like", "rand", "randn", "randint"}
 
     def __init__(self, tensors, device):
         super().__init__()
@@ -149,7 +155,8 @@ class HostTraffic(TorchFunctionMode):
         sent = target is not None and not isinstance(target, torch.dtype) and torch.device(target) == self.device
         if name in self.SYNCS and dev:
             self.syncs += 1
-        into = args[0] if args and isinstance(args[0], torch.Tensor) and (name.endswith("_") or name == "__setitem__") \
+        into = args[0] if args and isinstance(args[0], torch.Tensor) and (name.endswith("_")
+                                                                          or name == "__setitem__") \
             else None
         if dev and host:
             if into is not None and not self.on_device(into):
@@ -159,13 +166,14 @@ class HostTraffic(TorchFunctionMode):
         elif sent and (name in ("tensor", "as_tensor") or (name == "to" and host)):
             self.h2d += 1
         out = func(*args, **kwargs)
-        # computed: written in place, or a tensor made that shares no input's storage (not a view: in
-        # inference mode a view does not know its base)
+        # computed: written in place, or a tensor made that shares no input's storage (not a view:
+        # in inference mode a view does not know its base)
         storage = {t.untyped_storage().data_ptr() for t in tensors}
         made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         in_place = (name.endswith("_") and not name.startswith("__")) or name == "__setitem__"
         if dev and name not in self.SYNCS and (in_place and self.on_device(args[0]) or
-                                                any(t.untyped_storage().data_ptr() not in storage for t in made)):
+                                                any(t.untyped_storage().data_ptr() not in storage
+                                                    for t in made)):
             self.launches += 1
         if (dev and name not in self.SYNCS and not (into is not None and not self.on_device(into))) or \
                 (sent and (name in self.MADE or name == "to")):
@@ -181,7 +189,8 @@ def host_counts(model, work, max_batch, max_rows, scheduler="continuous", graphs
     of passes whose log was read with no pass launched behind it (the device waits for the host:
     drained); and, in a second run of the same work not counted, the host's time a pass (a step's
     time less its passes')."""
-    counted, steps, steady = drive_slots(model, work, max_batch, max_rows, scheduler, graphs, counted=True)
+    counted, steps, steady = drive_slots(model, work, max_batch, max_rows, scheduler, graphs,
+                                         counted=True)
     timed = drive_slots(model, work, max_batch, max_rows, scheduler, graphs, counted=False)[0]
     launched = counted.stats["launched"]
     out = dict(steps=len(steps), passes_launched=launched, passes_with_rows=counted.stats["passes"],
@@ -196,12 +205,12 @@ def host_counts(model, work, max_batch, max_rows, scheduler="continuous", graphs
 
 
 def drive_slots(model, work, max_batch, max_rows, scheduler, graphs, counted):
-    """host_counts's run: the engine (its .host_seconds: the steps' time less their passes'), and when
-    counted, (h2d, syncs, launches) of every step and of the steady ones."""
+    """host_counts's run: the engine (its .host_seconds: the steps' time less their passes'), and
+    when counted, (h2d, syncs, launches) of every step and of the steady ones."""
     longest = max(len(r.prompt) + r.max_tokens for r in work)
-    engine = Engine(model, max_batch * longest * model.config.n_loops, max_batch=max_batch, max_rows=max_rows,
-                    scheduler=scheduler, runner="slots", graphs=graphs, fuse=graphs, overlap=True,
-                    sampling=("greedy",))
+    engine = Engine(model, max_batch * longest * model.config.n_loops, max_batch=max_batch,
+                    max_rows=max_rows, scheduler=scheduler, runner="slots", graphs=graphs,
+                    fuse=graphs, overlap=True, sampling=("greedy",))
     for r in work:
         engine.add(Request(list(r.prompt), r.max_tokens, r.mode, r.thr))
     runner, st = engine.runner, engine.runner.slots

@@ -38,7 +38,8 @@ Resumable: a run whose result.json exists is skipped, one with a checkpoint resu
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.reproduce ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.reproduce ...")
 import contextlib
 import json
 import os
@@ -79,21 +80,26 @@ RULES = dict(seeds=">= 1", seed=SEED_RULE, threads=THREADS_RULE)
 
 # model and budget per size: tokens per run = max_iters x batch_size x block_size
 SIZES = {
-    "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32", "--ffn_hidden=64",
-                        "--block_size=32",
-                        "--batch_size=8", "--max_iters=16", "--eval_interval=16", "--eval_iters=2", "--warmup_iters=4",
-                        "--log_interval=4"], branch_iters=6, synthetic_chars=120_000, pointer_items=2,
+    "quick": dict(base=["--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=32",
+                        "--ffn_hidden=64", "--block_size=32",
+                        "--batch_size=8", "--max_iters=16", "--eval_interval=16", "--eval_iters=2",
+                        "--warmup_iters=4",
+                        "--log_interval=4"], branch_iters=6, synthetic_chars=120_000,
+                  pointer_items=2,
                   data_args={"pointer": ["--block_size=64"]},   # a k = 4 pointer item's prompt is 53 characters
                   task_seeds=1, branch_seeds=1, windows=16),
-    "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500", "--eval_interval=250",
-                       "--eval_iters=10", "--warmup_iters=100", "--log_interval=25"],
+    "full": dict(base=["--block_size=128", "--batch_size=16", "--max_iters=2500",
+                       "--eval_interval=250", "--eval_iters=10", "--warmup_iters=100",
+                       "--log_interval=25"],
                  branch_iters=500, synthetic_chars=5_000_000, pointer_items=50,
-                 # hops: one layer of width 256 (8 heads), where a loop learns one look-up (L=2, d=128 learns two
-                 # in its first loop and none in the next), the peak learning rate held for 2,000 steps (a look-up
-                 # that continues in the next loop is learned late, in a jump: results/notes.md)
-                 data_args={"hops": ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
-                                     "--learning_rate=1.5e-3", "--max_iters=3000", "--lr_decay_start=2000",
-                                     "--eval_interval=500"]},
+                 # hops: one layer of width 256 (8 heads), where a loop learns one look-up (L=2,
+                 # d=128 learns two in its first loop and none in the next), the peak learning rate
+                 # held for 2,000 steps (a look-up that continues in the next loop is learned late,
+                 # in a jump: results/notes.md)
+                 data_args={"hops": ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8",
+                                     "--ffn_hidden=704",
+                                     "--learning_rate=1.5e-3", "--max_iters=3000",
+                                     "--lr_decay_start=2000", "--eval_interval=500"]},
                  task_seeds=GRADED_SEEDS,    # seeds of each graded-task run (its verdict's minimum)
                  branch_seeds=3,  # parents of the ragged-aware branches and of flat β: the first seeds
                  windows=160),    # held-out windows per run that the claims' intervals resample
@@ -165,15 +171,17 @@ ORDER2 = 1000     # the noise-floor control's seed offset: the same continuation
 def prepare(c, size, data_dir):
     """The datasets of the grid, once."""
     if not os.path.isfile(os.path.join(data_dir, "synthetic", "meta.json")):
-        prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=data_dir, size=SIZES[size]["synthetic_chars"]))
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, data_dir=data_dir,
+                                  size=SIZES[size]["synthetic_chars"]))
     for data in POINTER_TASKS:
         if not os.path.isfile(os.path.join(data_dir, data, "meta.json")):
-            prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset=data, data_dir=data_dir, max_k=MAX_K[data],
-                                      size=SIZES[size]["synthetic_chars"]))
+            prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset=data, data_dir=data_dir,
+                                      max_k=MAX_K[data], size=SIZES[size]["synthetic_chars"]))
     if not os.path.isfile(os.path.join(data_dir, "shakespeare", "meta.json")):
-        src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir, name="shakespeare",
-                   input=c["input"])
-        if not c["input"] and size == "quick":   # offline smoke test: a stand-in text of the same kind
+        src = dict(prepare_data.DEFAULTS, dataset="shakespeare_char", data_dir=data_dir,
+                   name="shakespeare", input=c["input"])
+        # offline smoke test: a stand-in text of the same kind
+        if not c["input"] and size == "quick":
             stand_in = os.path.join(data_dir, "stand_in.txt")
             os.makedirs(data_dir, exist_ok=True)
             with open(stand_in, "w") as f:
@@ -242,14 +250,15 @@ def run_one(name, spec, c, size, runs):
 
 
 def provenance():
-    """How a run was made, so that a rerun that differs can be traced: the code's commit (and whether
-    the tree had changes) when it started, torch's version, its threads, the CPU (and, once it has
-    trained, the training's wall time, and the step it resumed from if it did)."""
+    """How a run was made, so that a rerun that differs can be traced: the code's commit (and
+    whether the tree had changes) when it started, torch's version, its threads, the CPU (and, once
+    it has trained, the training's wall time, and the step it resumed from if it did)."""
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cpu = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
     return {"commit": git("rev-parse", "HEAD") or "unknown",
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu}
@@ -259,15 +268,18 @@ NEED_SEED = 4321      # the graded suite that estimates each k's needed depth (l
 
 
 def builtin_by_depth(folder, kind, max_k, per_level, U, seed=None):
-    """The builtin suite of a look-up task (lab/eval.py --builtin=kind, k = 1..max_k; seed: another draw of
-    items than lab/eval.py's default), greedy: accuracy and the answer's exit depth per k at fixed@1..U and
-    ETE- and Dense-Ragged at each τ of THRS. Returns {mode: {k: {items, acc, answer_depth}}}."""
+    """The builtin suite of a look-up task (lab/eval.py --builtin=kind, k = 1..max_k; seed: another
+    draw of items than lab/eval.py's default), greedy: accuracy and the answer's exit depth per k at
+    fixed@1..U and ETE- and Dense-Ragged at each τ of THRS. Returns {mode: {k: {items, acc,
+    answer_depth}}}."""
     modes = ",".join([f"fixed@{d}" for d in range(1, U + 1)] + [f"{m}@{t}" for m in ("ete_ragged", "dense_ragged")
                                                                 for t in THRS])
-    with contextlib.redirect_stdout(sys.stderr):   # lab/eval.py's one JSON line is not this script's output
+    # lab/eval.py's one JSON line is not this script's output
+    with contextlib.redirect_stdout(sys.stderr):
         runs = eval_suite.main(["--ckpt", folder, f"--builtin={kind}", f"--builtin_max_k={max_k}",
                                 f"--builtin_items={per_level}", f"--modes={modes}",
-                                "--temperature=0", "--plots=False", f"--out={os.path.join(folder, 'eval')}"]
+                                "--temperature=0", "--plots=False",
+                                f"--out={os.path.join(folder, 'eval')}"]
                                + ([f"--seed={seed}"] if seed is not None else []))
     return {eval_suite.mode_name(r["mode"], r["thr"], r["depth"]): r["by_difficulty"] for r in runs}
 
@@ -280,19 +292,20 @@ def window_keys(spec):
 
 @torch.no_grad()
 def window_losses(folder, data, n=160, batch=16, labels=False):
-    """The units the claims resample (lab/claims.py): n held-out windows of the model's context, drawn
-    with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean loss
-    at each fixed depth, how far each loop moves the state (relative), ETE-Ragged's mean loss and
-    mean exit depth at each τ of THRS, and with labels (the synthetic data's per-token difficulty),
-    per label 0..4 of the predicted token, how many tokens carry it and their exit depths summed
-    (τ 0.5), and how many of them each fixed depth predicts right (label_correct: label, then depth).
-    The look-up tasks' difficulty is read on their builtin items instead."""
+    """The units the claims resample (lab/claims.py): n held-out windows of the model's context,
+    drawn with a fixed seed, so that every run of a dataset sees the same ones. Per window: the mean
+    loss at each fixed depth, how far each loop moves the state (relative), ETE-Ragged's mean loss
+    and mean exit depth at each τ of THRS, and with labels (the synthetic data's per-token
+    difficulty), per label 0..4 of the predicted token, how many tokens carry it and their exit
+    depths summed (τ 0.5), and how many of them each fixed depth predicts right (label_correct:
+    label, then depth). The look-up tasks' difficulty is read on their builtin items instead."""
     model, _ = load_checkpoint(folder)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16).astype(np.int64)
     labels = np.fromfile(os.path.join(data, "val_labels.bin"), dtype=np.uint8).astype(np.int64) if labels else None
     T = model.config.block_size
     starts = np.random.default_rng(0).integers(0, len(val) - T - 1, n)
-    out = {"fixed": [], "shift": [], "ragged": {str(t): [] for t in THRS}, "depth": {str(t): [] for t in THRS}}
+    out = {"fixed": [], "shift": [], "ragged": {str(t): [] for t in THRS},
+           "depth": {str(t): [] for t in THRS}}
     out.update({"labels": [], "label_correct": []} if labels is not None else {})
     r = lambda xs: [round(float(v), 5) for v in xs]
     for i in range(0, n, batch):
@@ -300,8 +313,10 @@ def window_losses(folder, data, n=160, batch=16, labels=False):
         y = torch.tensor(np.stack([val[s + 1:s + T + 1] for s in starts[i:i + batch]]))
         dense = model(x, y, loop_shift=True, keep_logits=labels is not None)
         out["fixed"] += [r(w) for w in dense["losses"].float().mean(1)]            # (windows, U)
-        if labels is not None:                   # per label, the tokens each fixed depth predicts right
-            right = torch.stack([logits.argmax(-1) == y for logits in dense["logits"]], -1)      # (B, T, U)
+        # per label, the tokens each fixed depth predicts right
+        if labels is not None:
+            # (B, T, U)
+            right = torch.stack([logits.argmax(-1) == y for logits in dense["logits"]], -1)
             for s, ok in zip(starts[i:i + batch], right.numpy()):
                 lab = labels[s + 1:s + T + 1]
                 out["label_correct"].append([ok[lab == k].sum(0).tolist() for k in range(5)])
@@ -310,10 +325,12 @@ def window_losses(folder, data, n=160, batch=16, labels=False):
             rag = forward_ragged(model, x, y, taus=t)
             out["ragged"][str(t)] += r(rag["token_loss"].mean(1))
             out["depth"][str(t)] += r(rag["exits"].double().mean(1))
-            if t == 0.5 and labels is not None:      # the depth before each label: [tokens, Σ exit depth] per label
+            # the depth before each label: [tokens, Σ exit depth] per label
+            if t == 0.5 and labels is not None:
                 for s, e in zip(starts[i:i + batch], rag["exits"].numpy()):
                     lab = labels[s + 1:s + T + 1]
-                    out["labels"].append([[int((lab == k).sum()), int(e[lab == k].sum())] for k in range(5)])
+                    out["labels"].append([[int((lab == k).sum()), int(e[lab == k].sum())]
+                                          for k in range(5)])
     return out
 
 
@@ -324,7 +341,8 @@ def exit_trace(folder, data, n=96, thr=0.5):
     model, ckpt = load_checkpoint(folder)
     val = np.fromfile(os.path.join(data, "val.bin"), dtype=np.uint16)
     labels = np.fromfile(os.path.join(data, "val_labels.bin"), dtype=np.uint8)
-    start = int(np.nonzero(labels[200:])[0][0]) + 200 - n // 3      # a stretch with hard tokens in it
+    # a stretch with hard tokens in it
+    start = int(np.nonzero(labels[200:])[0][0]) + 200 - n // 3
     ids = torch.tensor(val[start:start + n + 1].astype(np.int64))[None]
     exits = forward_ragged(model, ids[:, :-1], taus=thr)["exits"][0].tolist()
     decode = load_tokenizer(ckpt["meta"])[1]
@@ -340,13 +358,14 @@ def check_size(out, size):
     if os.path.isfile(os.path.join(out, "grid.json")):
         with open(os.path.join(out, "grid.json")) as f:
             made = json.load(f).get("size")
-    elif os.path.isfile(os.path.join(out, "RESULTS.md")):     # a folder written before grid.json existed
+    elif os.path.isfile(os.path.join(out, "RESULTS.md")):
+        # a folder written before grid.json existed
         with open(os.path.join(out, "RESULTS.md"), encoding="utf-8") as f:
             first = f.readline()
         made = next((s for s in SIZES if f"({s})" in first), None)
     if made is not None and made != size:
-        raise UserError(f"--out={out} holds the --{made} grid; --{size} runs go to a folder of their own "
-                        f"(give another --out)")
+        raise UserError(f"--out={out} holds the --{made} grid; --{size} runs go to a folder of "
+                        "their own (give another --out)")
 
 
 def main(argv):

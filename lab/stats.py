@@ -6,7 +6,8 @@ two scopes); random streams of their own for things drawn apart; Spearman's rank
 a shuffle null. numpy only; nothing here knows what a run is.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.stats ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.stats ...")
 import itertools
 import math
 import zlib
@@ -19,9 +20,9 @@ N_BOOT = 2000                      # bootstrap replicates per interval
 # ----------------------------------------------------------------------------- intervals
 
 def replicates(groups, stat=None, paired=True, n=N_BOOT, seed=0, units=True):
-    """A statistic of pooled means, on every unit and on n bootstrap replicates. groups: one tuple of
-    arrays per seed; a replicate draws the seeds with replacement, then the units of each drawn seed
-    (one draw for all of its arrays when paired: they hold the same units in the same order;
+    """A statistic of pooled means, on every unit and on n bootstrap replicates. groups: one tuple
+    of arrays per seed; a replicate draws the seeds with replacement, then the units of each drawn
+    seed (one draw for all of its arrays when paired: they hold the same units in the same order;
     units=False: every unit, the seeds alone resampled), and takes the mean of each array over the
     units drawn. stat maps those means to the statistic (numpy operations on arrays of replicates);
     None: the mean of the one array. Returns (value, replicate values)."""
@@ -51,12 +52,14 @@ def per_model(groups, stat, n=N_BOOT, seed=0):
     their mean, and n bootstrap replicates of that mean (the models drawn with replacement, then the
     units of each drawn model, one draw for all of its arrays: they hold the same units). Where
     replicates() pools the units of every model before its statistic, so that one model's choice can
-    lend another a gain, this compares each model with itself only. Returns (mean, replicates, own)."""
+    lend another a gain, this compares each model with itself only. Returns (mean, replicates,
+    own)."""
     rng = np.random.default_rng(seed)
     groups = [[np.asarray(a, dtype=float) for a in g] for g in groups]
     total = np.zeros(n)
     drawn = rng.integers(0, len(groups), (n, len(groups)))
-    with np.errstate(invalid="ignore", divide="ignore"):      # a ratio over units none of a replicate holds: nan
+    # a ratio over units none of a replicate holds: nan
+    with np.errstate(invalid="ignore", divide="ignore"):
         own = np.array([stat(*[a.mean() for a in g]) for g in groups], dtype=float)
         for slot in range(len(groups)):
             for i, g in enumerate(groups):
@@ -83,8 +86,9 @@ def sign_of(reps):
 
 
 def stream(*labels):
-    """Rule 4: the seed of a random stream of its own for each thing drawn apart (a scope of a claim),
-    from its labels, so that two scopes never share their random numbers and a rerun draws the same."""
+    """Rule 4: the seed of a random stream of its own for each thing drawn apart (a scope of a
+    claim), from its labels, so that two scopes never share their random numbers and a rerun draws
+    the same."""
     return zlib.crc32(" ".join(map(str, labels)).encode())
 
 
@@ -106,8 +110,8 @@ def sign_test(values, word="above 0"):
 
 
 def permutation_test(a, b):
-    """The test over the models of two scopes drawn apart: the exact two-sided p of their difference of
-    means, over every way to split the pooled models into groups of these sizes."""
+    """The test over the models of two scopes drawn apart: the exact two-sided p of their difference
+    of means, over every way to split the pooled models into groups of these sizes."""
     pooled, n, observed = np.concatenate([a, b]).astype(float), len(a), abs(np.mean(a) - np.mean(b))
     splits = [abs(pooled[list(s)].mean() - np.delete(pooled, list(s)).mean())
               for s in itertools.combinations(range(len(pooled)), n)]
@@ -126,9 +130,9 @@ def ranks(x):
 
 
 def spearman(x, y, shuffles=0, seed=0):
-    """Spearman's rank correlation of x and y, and the same for `shuffles` random orders of x (its null:
-    what x's values correlate with y by chance). 0 where x or y is constant: a model that exits at one
-    depth for every item follows nothing, and its shuffles change nothing."""
+    """Spearman's rank correlation of x and y, and the same for `shuffles` random orders of x (its
+    null: what x's values correlate with y by chance). 0 where x or y is constant: a model that
+    exits at one depth for every item follows nothing, and its shuffles change nothing."""
     rx, ry = ranks(x) - (len(x) + 1) / 2, ranks(y) - (len(y) + 1) / 2
     norm = np.sqrt((rx ** 2).sum() * (ry ** 2).sum())
     if norm == 0:

@@ -14,7 +14,8 @@ with the answer, for models trained on raw text), "difficulty", "max_tokens", "a
 difficulty of each token of an answer of several).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m lab.tasks ...")
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.tasks ...")
 import json
 import os
 import random
@@ -27,8 +28,9 @@ from prepare_data import KINDS
 
 # ----------------------------------------------------------------------------- task files
 
-ITEM_KEYS = {"type", "context", "choices", "answer", "context_ids", "choices_ids", "prompt", "prompt_ids",
-             "answer_ids", "cot", "description", "extract", "difficulty", "max_tokens", "kind",
+ITEM_KEYS = {"type", "context", "choices", "answer", "context_ids", "choices_ids", "prompt",
+             "prompt_ids", "answer_ids", "cot", "description", "extract", "difficulty",
+             "max_tokens", "kind",
              "answer_labels"}   # the schema's fields
 
 
@@ -41,8 +43,9 @@ def load_task(path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise UserError(f"--task={path}: line {n} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                                f"{e.start + 1}); task files are JSONL in UTF-8")
+                raise UserError(f"--task={path}: line {n} is not UTF-8 text (byte "
+                                f"{raw[e.start]:#04x} at column {e.start + 1}); task files are "
+                                "JSONL in UTF-8")
             if not line.strip():
                 continue
             try:
@@ -64,7 +67,8 @@ def check_item(item, where):
         raise UserError(f"--task {where}: unknown field {unknown[0]!r}; an item's fields: "
                         + ", ".join(sorted(ITEM_KEYS)))
     text = lambda v: isinstance(v, str)
-    ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    ids = lambda v: isinstance(v, list) and bool(v) and all(isinstance(t, int)
+                                                            and not isinstance(t, bool) and t >= 0
                                                               for t in v)
     if kind == "mc":
         texts = "context" in item and "choices" in item
@@ -72,21 +76,28 @@ def check_item(item, where):
         n = len(item.get("choices") or item.get("choices_ids") or [])
         answer = item.get("answer")
         if not (texts or by_ids) or not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < n:
-            raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + choices_ids) and an "
-                            f"answer index into the choices (an integer in 0..{n - 1}), not {answer!r}")
-        context, choices = (item["context"], item["choices"]) if texts else (item["context_ids"], item["choices_ids"])
+            raise UserError(f"--task {where}: an mc item needs context + choices (or context_ids + "
+                            "choices_ids) and an answer index into the choices (an integer in "
+                            f"0..{n - 1}), not {answer!r}")
+        context, choices = (item["context"], item["choices"]) if texts else (item["context_ids"],
+                                                                             item["choices_ids"])
         one = (lambda v: text(v) and v) if texts else ids
         ok = (text if texts else ids)(context) and isinstance(choices, list) and all(one(v) for v in choices)
         if not ok:
-            raise UserError(f"--task {where}: an mc item's context is a string and its choices non-empty strings (or "
-                            "context_ids / choices_ids: non-empty lists of token ids)")
+            raise UserError(f"--task {where}: an mc item's context is a string and its choices "
+                            "non-empty strings (or context_ids / choices_ids: non-empty lists of "
+                            "token ids)")
     elif kind == "gen":
-        if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item or "answer_ids" in item):
-            raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer (or answer_ids)")
+        if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item
+                                                                  or "answer_ids" in item):
+            raise UserError(f"--task {where}: a gen item needs prompt (or prompt_ids) and answer "
+                            "(or answer_ids)")
         prompt_ok = text(item["prompt"]) if "prompt" in item else item["prompt_ids"] == [] or ids(item["prompt_ids"])
-        if not prompt_ok or not (text(item["answer"]) if "answer" in item else ids(item["answer_ids"])):
-            raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or prompt_ids / answer_ids: "
-                            "lists of token ids, the answer's not empty; an empty prompt is the start of a text)")
+        if not prompt_ok or not (text(item["answer"]) if "answer" in item
+                                 else ids(item["answer_ids"])):
+            raise UserError(f"--task {where}: a gen item's prompt and answer are strings (or "
+                            "prompt_ids / answer_ids: lists of token ids, the answer's not empty; "
+                            "an empty prompt is the start of a text)")
         if item.get("extract", "answer_is") not in ("answer_is", "prefix"):
             raise UserError(f"--task {where}: extract={item['extract']!r}; allowed: answer_is, prefix")
     else:
@@ -107,7 +118,8 @@ def builtin_items(kind, per_level, seed, max_k=4):
     while len(items) < (1 if multi else max_k) * len(makers) * per_level:
         maker = rng.choice(makers)
         item = maker(rng, max_k)
-        first = next(i for i, (_, label) in enumerate(item) if label)     # the item up to its first answer
+        # the item up to its first answer
+        first = next(i for i, (_, label) in enumerate(item) if label)
         answer = item[first:] if multi else item[first:first + 1]
         level = max(label for _, label in answer)
         key = (maker.__name__, level)
@@ -115,8 +127,10 @@ def builtin_items(kind, per_level, seed, max_k=4):
             continue
         count[key] = count.get(key, 0) + 1
         items.append({"type": "gen", "prompt": "\n" + "".join(piece for piece, _ in item[:first]),
-                      "answer": "".join(piece for piece, _ in answer), "extract": "prefix", "max_tokens": len(answer),
-                      "difficulty": level, "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
+                      "answer": "".join(piece for piece, _ in answer), "extract": "prefix",
+                      "max_tokens": len(answer),
+                      "difficulty": level,
+                      "kind": {"_chain": "chain", "_digit_sum": "sum"}.get(maker.__name__, kind)})
         if multi:
             items[-1]["answer_labels"] = [label for _, label in answer]
     return items
@@ -133,17 +147,20 @@ def mmlu_item(r):
 
 def arc_item(r):
     return {"type": "mc", "context": f"Question: {r['question']}\nAnswer:",
-            "choices": [f" {t}" for t in r["choices"]["text"]], "answer": r["choices"]["label"].index(r["answerKey"])}
+            "choices": [f" {t}" for t in r["choices"]["text"]],
+            "answer": r["choices"]["label"].index(r["answerKey"])}
 
 
 def hellaswag_item(r):
-    return {"type": "mc", "context": r["ctx"], "choices": [" " + e for e in r["endings"]], "answer": int(r["label"])}
+    return {"type": "mc", "context": r["ctx"], "choices": [" " + e for e in r["endings"]],
+            "answer": int(r["label"])}
 
 
 def winogrande_item(r):
     """The blank filled by each option; the context is the sentence up to the blank."""
     before, after = r["sentence"].split("_", 1)
-    return {"type": "mc", "context": before.rstrip(), "choices": [f" {r['option1']}{after}", f" {r['option2']}{after}"],
+    return {"type": "mc", "context": before.rstrip(),
+            "choices": [f" {r['option1']}{after}", f" {r['option2']}{after}"],
             "answer": int(r["answer"]) - 1}
 
 
@@ -151,21 +168,25 @@ def gsm8k_item(r):
     rationale, answer = r["answer"].split("####")
     rationale = re.sub(r"<<.*?>>", "", rationale).strip().replace("\n", " ")
     answer = answer.strip().replace(",", "")
-    return {"type": "gen", "prompt": r["question"], "answer": answer, "cot": f"{rationale} So the answer is {answer}."}
+    return {"type": "gen", "prompt": r["question"], "answer": answer, "cot": f"{rationale} So the "
+            f"answer is {answer}."}
 
 
 def bbh_item(r):
     return {"type": "gen", "prompt": r["input"], "answer": r["target"]}
 
 
-BBH_TASKS = ["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa", "dyck_languages",
-             "formal_fallacies", "geometric_shapes", "hyperbaton", "logical_deduction_five_objects",
-             "logical_deduction_seven_objects", "logical_deduction_three_objects", "movie_recommendation",
-             "multistep_arithmetic_two", "navigate", "object_counting", "penguins_in_a_table",
-             "reasoning_about_colored_objects", "ruin_names", "salient_translation_error_detection", "snarks",
+BBH_TASKS = ["boolean_expressions", "causal_judgement", "date_understanding", "disambiguation_qa",
+             "dyck_languages", "formal_fallacies", "geometric_shapes", "hyperbaton",
+             "logical_deduction_five_objects",
+             "logical_deduction_seven_objects", "logical_deduction_three_objects",
+             "movie_recommendation", "multistep_arithmetic_two", "navigate", "object_counting",
+             "penguins_in_a_table",
+             "reasoning_about_colored_objects", "ruin_names",
+             "salient_translation_error_detection", "snarks",
              "sports_understanding", "temporal_sequences", "tracking_shuffled_objects_five_objects",
-             "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects", "web_of_lies",
-             "word_sorting"]
+             "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects",
+             "web_of_lies", "word_sorting"]
 BENCHMARKS = {  # name: (datasets path, configs, split, row -> item in our schema)
     "mmlu": ("cais/mmlu", ["all"], "test", mmlu_item),
     "arc_challenge": ("allenai/ai2_arc", ["ARC-Challenge"], "test", arc_item),
@@ -181,16 +202,19 @@ def convert(names, out):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError("--convert needs the optional datasets package (pip install datasets) and the network")
+        raise UserError("--convert needs the optional datasets package (pip install datasets) and "
+                        "the network")
     for name in names:
         path, configs, split, to_item = BENCHMARKS[name]
         for config in configs:
             try:
                 rows = load_dataset(path, config, split=split)
-            except Exception as e:      # no network, no such dataset: the datasets library's many errors
-                raise UserError(f"--convert={name}: cannot load {path} ({config}) with datasets ({type(e).__name__}: "
-                                f"{str(e)[:120]}); it needs the network")
-            file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1 else f"{name}.jsonl")
+            except Exception as e:
+                # no network, no such dataset: the datasets library's many errors
+                raise UserError(f"--convert={name}: cannot load {path} ({config}) with datasets "
+                                f"({type(e).__name__}: {str(e)[:120]}); it needs the network")
+            file = os.path.join(out, f"{name}_{config}.jsonl" if len(configs) > 1
+                                else f"{name}.jsonl")
             write_lines(file, [json.dumps(to_item(r)) for r in rows])
             print(f"wrote {file} ({len(rows)} items)", file=sys.stderr)
 
@@ -218,7 +242,8 @@ def gen_prompt_text(item, shots, chat):
     desc = item.get("description", "")
     if chat:
         return ("Question: " + (desc + "\n\n" if desc else "") + item["prompt"]
-                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is <answer>.")
+                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is "
+                "<answer>.")
     head = (desc + "\n\n" if desc else "") + "".join(shot_text(s) + "\n\n" for s in shots)
     if item.get("extract") == "prefix":
         return head + item["prompt"]
@@ -227,7 +252,8 @@ def gen_prompt_text(item, shots, chat):
 
 # ----------------------------------------------------------------------------- checking an answer
 
-ANSWER_IS = re.compile(r"the answer is\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\s.])\.(?:\s|$))", re.IGNORECASE)
+ANSWER_IS = re.compile(r"the answer is\s*:?\s*(.+?)\s*(?:$|\n|(?<=[^\s.])\.(?:\s|$))",
+                       re.IGNORECASE)
 
 
 def normalize(ans):
@@ -257,5 +283,5 @@ def is_correct(item, completion_text, completion_ids):
 
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "python -m lab.eval --builtin=... or --task=FILE.jsonl reads them; python prepare_data.py "
-            "writes the datasets")
+    library(__doc__, "python -m lab.eval --builtin=... or --task=FILE.jsonl reads them; python "
+            "prepare_data.py writes the datasets")

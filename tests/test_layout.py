@@ -16,6 +16,7 @@ MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom,
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
            "lab.bench_engine", "lab.reproduce", "lab.export_ouro"}
 MAX_ROOT = 20                             # .py files at the root: the paper's files and what they import
+WIDE, MAX_WIDE_SHARE = 100, 0.05          # columns; the share of the project's lines past them (nanoGPT's: 3-6%)
 
 
 def source_files():
@@ -194,3 +195,12 @@ def test_sizes_and_places():
                 n = node.end_lineno - node.lineno + 1
                 assert n <= MAX_FUNCTION, f"{name}.py:{node.name} is {n} lines"
     assert os.path.isfile(os.path.join(HERE, "LICENSE"))
+
+
+def test_lines_stay_narrow():
+    """At most MAX_WIDE_SHARE of the root's and the lab's lines pass WIDE columns (ruff stops any at 120):
+    code read side by side with the paper fits beside it."""
+    lines = [line for name, path in source_files().items() if not name.startswith("test") and name != "conftest"
+             for line in open(path, encoding="utf-8").read().splitlines()]
+    wide = sum(len(line) > WIDE for line in lines)
+    assert wide <= MAX_WIDE_SHARE * len(lines), f"{wide} of {len(lines)} lines over {WIDE} columns"
