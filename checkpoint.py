@@ -45,8 +45,8 @@ def atomic_write(path, write):
             os.remove(tmp)
         if isinstance(e, (OSError, RuntimeError)):
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[-1][:120]
-            raise UserError(f"cannot write {path} ({reason}); what was there before is kept as it "
-                            "was") from e
+            raise UserError(f"cannot write {path} ({reason}); what was there "
+                            "before is kept as it was") from e
         raise
 
 
@@ -128,8 +128,8 @@ def check_weights_finite(state, where):
            and not torch.isfinite(v).all()]
     if bad:
         raise UserError(f"{where}: {len(bad)} weight tensor(s) hold NaN or infinity (e.g. "
-                        f"{bad[0]}): the file is corrupt or the run diverged; load an earlier "
-                        "checkpoint")
+                        f"{bad[0]}): the file is corrupt or the run diverged; "
+                        "load an earlier checkpoint")
 
 
 def check_one_model(folder, flag):
@@ -295,8 +295,8 @@ def ouro_config(folder):
                             f"({sorted(set(value) - {'full_attention'})}) are not implemented here")
         if key not in OURO_FIELDS and key not in OURO_INERT and key not in OURO_ONLY and key != "layer_types":
             raise UserError(f"{folder}/config.json: field {key}={value!r} is not one of the Ouro "
-                            "config fields this loader implements; refusing rather than ignoring "
-                            "it")
+                            "config fields this loader implements; "
+                            "refusing rather than ignoring it")
     args = {ours: hf[theirs] for theirs, ours in OURO_FIELDS.items() if theirs in hf}
     args.setdefault("n_kv_head", args["n_head"])
     args.setdefault("block_size", 4096)
@@ -322,8 +322,8 @@ def read_ouro_tensors(folder):
         files = sorted(set(weight_map.values()))
         absent = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
         if absent:
-            raise UserError(f"{index} names {len(absent)} file(s) the folder lacks, e.g. "
-                            f"{absent[0]}")
+            raise UserError(f"{index} names {len(absent)} file(s) the "
+                            f"folder lacks, e.g. {absent[0]}")
     else:
         files = ["model.safetensors"]
     tensors = {}
@@ -356,8 +356,8 @@ def load_ouro(folder, device="cpu", dtype=None):
                             f"implies {tuple(shape)}")
         if not tensors[k].is_floating_point():
             raise UserError(f"{folder}: {k} holds {str(tensors[k].dtype).replace('torch.', '')} "
-                            "values; a model's weights are floating point (bfloat16, float16 or "
-                            "float32)")
+                            "values; a model's weights are floating point "
+                            "(bfloat16, float16 or float32)")
     state = {k: tensors[ouro_key(k)] for k in model.state_dict()}
     check_weights_finite(state, folder)
     model.load_state_dict(state, strict=True, assign=True)
@@ -390,8 +390,8 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False, tiktoken_file
     if not cfg.loop_norm:
         raise UserError("this model was trained without the per-loop norm (loop_norm=False); "
                         "Ouro's code normalizes the hidden state after every loop and would "
-                        "compute something else. Only models trained with --loop_norm can be "
-                        "exported")
+                        "compute something else. Only models trained with "
+                        "--loop_norm can be exported")
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"--out={folder}: exists and is not a folder")
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
@@ -401,8 +401,8 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False, tiktoken_file
             "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
     present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
     if present and not force:
-        raise UserError(f"--out={folder}: already holds {', '.join(present)}; give --force to "
-                        "overwrite it")
+        raise UserError(f"--out={folder}: already holds {', '.join(present)}; "
+                        "give --force to overwrite it")
     st = _safetensors()
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):  # a sharded folder: its index would shadow the new single file
@@ -442,8 +442,8 @@ def hf_tokenizer_files(meta, folder, context, tiktoken_file=""):
     try:
         import tokenizers  # noqa: F401
     except ImportError:
-        print("note: no tokenizer.json written (pip install tokenizers); meta.json holds the "
-              "tokenizer", file=sys.stderr)
+        print("note: no tokenizer.json written (pip install tokenizers); "
+              "meta.json holds the tokenizer", file=sys.stderr)
         return
     hf_tokenizer(meta, tiktoken_file).save(os.path.join(folder, "tokenizer.json"))
     eos = EOS.get(meta.get("tokenizer"))

@@ -188,8 +188,8 @@ def resolve_device(name):
                             "--device=cpu or auto")
         index = int(name.split(":")[1]) if ":" in name else 0
         if index >= torch.cuda.device_count():
-            raise UserError(f"--device={name}: this machine has {torch.cuda.device_count()} CUDA "
-                            "device(s)")
+            raise UserError(f"--device={name}: this machine has "
+                            f"{torch.cuda.device_count()} CUDA device(s)")
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("--device=mps: MPS is not available on this machine; use --device=cpu or auto")
     return name

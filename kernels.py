@@ -293,11 +293,9 @@ def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=
     s_ir, s_id = (ids.stride(0), ids.stride(1)) if table else (ids.stride(0), 0)
     _paged_attention_split[(R, Hkv, n_splits)](
         q, k_pages, v_pages, ids, req if table else lengths, depth if table else lengths, lengths,
-        o, lse, scale,
-        n_splits, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0),
-        v_pages.stride(1),
-        s_ir, s_id, *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_N=block_n,
-        SPLIT=n_splits > 1, IEEE=ieee, TABLE=table)
+        o, lse, scale, n_splits, q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1),
+        v_pages.stride(0), v_pages.stride(1), s_ir, s_id, *so, *sl, G=G, D=D, BLOCK_G=BLOCK_G,
+        BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLIT=n_splits > 1, IEEE=ieee, TABLE=table)
     if n_splits > 1:
         _reduce_splits[(R, Hq)](o, lse, out, n_splits, *so, *sl, out.stride(0), out.stride(1),
                                 D=D, BLOCK_D=BLOCK_D,
@@ -309,8 +307,8 @@ def flash_decode(q, k_pages, v_pages, ids, req, depth, lengths, n_splits, scale=
 
 @torch.library.custom_op("looped::flash_decode_table", mutates_args=())
 def flash_decode_table(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                       table: torch.Tensor,
-                       req: torch.Tensor, depth: torch.Tensor, lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
+                       table: torch.Tensor, req: torch.Tensor, depth: torch.Tensor,
+                       lengths: torch.Tensor, n_splits: int) -> torch.Tensor:
     """flash_decode reading the page table in place, as an operator that torch.compile places inside
     the graph it compiles (one launch, or two with key splits) instead of breaking the graph around
     it: the norms and residuals on either side then fuse into the compiled code (slot_pass.py)."""

@@ -339,8 +339,8 @@ def _fineweb_ids(c):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError("--dataset=fineweb_edu needs the optional 'datasets' package: pip install "
-                        "datasets")
+        raise UserError("--dataset=fineweb_edu needs the optional 'datasets' "
+                        "package: pip install datasets")
     from tqdm import tqdm
     enc = gpt2_encoding(c["tiktoken_file"])
     ds = load_dataset("HuggingFaceFW/fineweb-edu", name="sample-10BT", split="train",

@@ -239,8 +239,8 @@ class RaggedSeq:
         """Check a K/V write of `pos` at depth d (or every depth of a slice d, pages [len(pos), depths])."""
         self._live()
         if not (self.real[pos, d].all() and torch.equal(self.table[pos, d], pages)):
-            raise PageError("a K/V write through an alias or to a page the token does not own at "
-                            "this depth")
+            raise PageError("a K/V write through an alias or to a page the token "
+                            "does not own at this depth")
         if any(self.pool.owner[p] is not self for p in pages.flatten().tolist()):
             raise PageError("a K/V write to a freed page or one held by another sequence")
 

@@ -215,8 +215,8 @@ def prompt_of(server, body, chat):
         for m in msgs:
             if m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
                 raise BadRequest(f"'messages': a message has role {m.get('role')!r} and fields "
-                                 f"{sorted(m)}; roles are {', '.join(ROLES)}, fields role, content "
-                                 "(and name)", "messages")
+                                 f"{sorted(m)}; roles are {', '.join(ROLES)}, fields "
+                                 "role, content (and name)", "messages")
             turns.append((m["role"], message_text(m.get("content"))))
         return chat_ids(turns, server.encode), (IM_END,)
     prompt = body.get("prompt")
@@ -227,8 +227,8 @@ def prompt_of(server, body, chat):
         return list(server.start), (() if server.eos is None else (server.eos,))
     if isinstance(prompt, str):
         if server.encode is None:
-            raise BadRequest("this model has no tokenizer here: give 'prompt' as a list of token "
-                             "ids", "prompt")
+            raise BadRequest("this model has no tokenizer here: give "
+                             "'prompt' as a list of token ids", "prompt")
         try:
             ids = server.encode(prompt)
         except UserError as e:
@@ -237,8 +237,8 @@ def prompt_of(server, body, chat):
                                                      for t in prompt):
         ids = list(prompt)
     else:
-        raise BadRequest("'prompt' must be a string or a list of token ids (empty: the start of a "
-                         "text)", "prompt")
+        raise BadRequest("'prompt' must be a string or a list of token ids "
+                         "(empty: the start of a text)", "prompt")
     return ids, (() if server.eos is None else (server.eos,))
 
 
@@ -302,11 +302,11 @@ def parse_request(server, body, chat):
         f["max_tokens"] = body["max_completion_tokens"]
     mode = f.get("mode", Request.mode)
     if "depth" in f and mode != "fixed":
-        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} decides its depths "
-                         "(give 'thr')", "depth")
+        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} "
+                         "decides its depths (give 'thr')", "depth")
     if "thr" in f and mode == "fixed":
-        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs "
-                         "'depth' loops", "thr")
+        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode "
+                         "'fixed' runs 'depth' loops", "thr")
     reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
     try:
         server.engine.check_request(reqs[0])

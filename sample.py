@@ -165,8 +165,8 @@ def the_prompt(c, model, meta, encode):
     --chat), checked against the context, and --max_new_tokens cut to what fits, with a note saying
     so."""
     if encode is None and c["prompt_ids"] == "":
-        raise UserError("no tokenizer for this checkpoint: give --prompt_ids (comma-separated "
-                        "token ids)")
+        raise UserError("no tokenizer for this checkpoint: give --prompt_ids "
+                        "(comma-separated token ids)")
     ids = prompt_ids(c, meta, encode)
     if c["chat"]:
         if encode is None:

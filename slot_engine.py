@@ -107,8 +107,8 @@ class SlotRunner:
             raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager",
                             "scheduler")
         if attn == "flex":
-            raise UserError("--attn=flex builds its mask on the host; the slot runner reads torch "
-                            "or triton", "attn")
+            raise UserError("--attn=flex builds its mask on the host; the slot "
+                            "runner reads torch or triton", "attn")
         if head != "eager":
             raise UserError(f"--head={head}: the slot runner runs the LM head on every pass "
                             "(--engine=eager shares it)", "head")
@@ -196,9 +196,8 @@ class SlotRunner:
         tau, full = decode_rule(r)
         stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
         self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens,
-                                          dec_n_run=n_run(r, self.U),
-                                          horizon=-1, stop_ids=stop, dec_tau=tau, dec_full=full,
-                                          ended=s.ending,
+                                          dec_n_run=n_run(r, self.U), horizon=-1, stop_ids=stop,
+                                          dec_tau=tau, dec_full=full, ended=s.ending,
                                           seed=seed_bits(r.seed), top_k=r.top_k,
                                           temperature=r.temperature, top_p=r.top_p)))
 
@@ -215,9 +214,8 @@ class SlotRunner:
         assert len(free_rows) >= end - start, "more rows in flight than row slots"
         idx = free_rows[:end - start]
         self._rows.append((idx, dict(tok=ctx[start:end], pos=list(range(start, end)), depth=0,
-                                     req=s.slot, n_run=m,
-                                     forced=forced, exit=0, pend=-1, tau=taus, full=full,
-                                     active=True,
+                                     req=s.slot, n_run=m, forced=forced, exit=0, pend=-1, tau=taus,
+                                     full=full, active=True,
                                      sample=[p == len(ctx) - 1 for p in range(start, end)],
                                      fresh=True, hold=False)))
         self.live[idx], self.row_req[idx] = True, s.slot

@@ -91,8 +91,8 @@ def load_tokenizer(meta, tiktoken_file=""):
         def encode(s):
             bad = sorted({c for c in s if c not in stoi})
             if bad:
-                raise UserError(f"characters {''.join(bad)!r} are not in this model's vocabulary "
-                                f"({chars!r})")
+                raise UserError(f"characters {''.join(bad)!r} are not in this "
+                                f"model's vocabulary ({chars!r})")
             return [stoi[c] for c in s]
         return encode, lambda ids: "".join(chars[i] for i in ids)
     if meta.get("tokenizer") == "pieces":
@@ -128,8 +128,8 @@ def load_tokenizer(meta, tiktoken_file=""):
     if meta.get("tokenizer") == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; allowed: char, pieces, "
-                    "gpt2, hf")
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; "
+                    "allowed: char, pieces, gpt2, hf")
 
 
 # ---------------------------------------------------------------------- as a Hugging Face tokenizer

@@ -253,8 +253,8 @@ def check_config(c, given=()):
     if c.eval_only:
         ckpt = os.path.join(c.out_dir, "ckpt.pt")
         if not os.path.isfile(ckpt):
-            raise UserError(f"--eval_only evaluates {ckpt!r}, which does not exist (check "
-                            "--out_dir)")
+            raise UserError(f"--eval_only evaluates {ckpt!r}, which does "
+                            "not exist (check --out_dir)")
         c.init_from = "resume"
     if c.prior == "geometric" and c.prior_lambda is not None and not c.prior_lambda < 1:
         raise UserError(f"--prior_lambda={c.prior_lambda}: the geometric prior needs a value in (0, 1)")
@@ -266,8 +266,8 @@ def check_config(c, given=()):
             raise UserError(f"--{key}={path}: exists and is not a directory")
     if is_ouro_folder(c.out_dir):
         raise UserError(f"--out_dir={c.out_dir}: holds an Ouro folder (config.json + safetensors); "
-                        "a run's ckpt.pt beside it would make --ckpt ambiguous. Give a folder of "
-                        "its own")
+                        "a run's ckpt.pt beside it would make --ckpt ambiguous. "
+                        "Give a folder of its own")
     if not c.eval_only:
         check_writable(c.out_dir, "out_dir")
     if c.init_from == "resume":
@@ -285,8 +285,8 @@ def check_config(c, given=()):
     else:
         GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
     if c.stop_iter == 0:
-        raise UserError("--stop_iter=0: stops before the first step; give a positive iteration (or "
-                        "-1: no stop)")
+        raise UserError("--stop_iter=0: stops before the first step; give a positive "
+                        "iteration (or -1: no stop)")
     eval_thresholds(c)
 
 
@@ -398,10 +398,10 @@ def log_target(c, master):
         open(log_file, "w").close()
         then = ("it is replaced (--overwrite)" if c.overwrite else
                 f"it moves to {aside_folder(c.out_dir)} (--overwrite: replace it)")
-        print(f"{c.out_dir} holds an earlier run: it stays as it is until this run's first "
-              "checkpoint "
-              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then this run logs "
-              f"to {log_file}", file=sys.stderr)
+        print(f"{c.out_dir} holds an earlier run: it stays as it is until "
+              "this run's first checkpoint "
+              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then "
+              f"this run logs to {log_file}", file=sys.stderr)
     return log_file, pending
 
 

@@ -20,8 +20,8 @@ Training target (App. C): direct RA, averaged over a dense + ragged pair, costs 
 step; counterfactual and REINFORCE cost more.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.bench ...")
+    raise SystemExit("error: a lab script runs from the project root as a "
+                     "module: python -m lab.bench ...")
 import json
 import os
 import statistics
@@ -273,8 +273,8 @@ def bench_memory(c):
            "difference_mb": round((peaks[90] - peaks[1]) / 1024, 1)}
     out["target_met"] = out["difference_mb"] <= 100
     print(f"training start-up's peak memory: {peaks[1] / 1024:.0f} MB with a 1 MB train split, "
-          f"{peaks[90] / 1024:.0f} MB with a 90 MB one: {out['difference_mb']} MB more (target <= "
-          "100)",
+          f"{peaks[90] / 1024:.0f} MB with a 90 MB one: "
+          f"{out['difference_mb']} MB more (target <= 100)",
           file=sys.stderr)
     return out
 

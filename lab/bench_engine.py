@@ -333,8 +333,8 @@ def bench_engine(c):
                         "(--workload=batch --capacity=False needs the least)")
     if c["requests"] and c["requests"] < 2 * max(batches):
         raise UserError(f"--requests={c['requests']}: the benchmark needs at least 2 x the largest "
-                        f"batch ({2 * max(batches)}), so that requests wait while the batch runs "
-                        "full")
+                        f"batch ({2 * max(batches)}), so that requests wait "
+                        "while the batch runs full")
     if c["ouro_code"] and c["workload"] == "queue":
         raise UserError("--ouro_code is a row of the fixed batch: give --workload=batch or both")
     # before any long run

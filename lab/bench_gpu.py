@@ -352,8 +352,8 @@ def server_start(model):
     graphs = getattr(engine.runner, "graphs", None)
     start = dict(seconds=round(time.perf_counter() - started, 4),
                  runner=type(engine.runner).__name__, graphs=len(graphs.graphs) if graphs else 0)
-    print(f"a server's engine with its defaults ({start['runner']}, {start['graphs']} graphs) "
-          "ready in " f"{start['seconds']:.1f} s", file=sys.stderr)
+    print(f"a server's engine with its defaults ({start['runner']}, "
+          f"{start['graphs']} graphs) ready in " f"{start['seconds']:.1f} s", file=sys.stderr)
     return start
 
 
@@ -477,8 +477,8 @@ def print_gpu(runs, checks, counted, arrived=()):
         print(f"counted, batch {B}: per steady decode step {h['h2d_per_steady_step']} "
               f"host-to-device copies, {h['syncs_per_steady_step']} syncs, "
               f"{h['launches_per_steady_step']} launches outside the graphs ({h['steady_steps']} "
-              f"steps); passes launched {h['passes_launched']} for {h['passes_with_rows']} with "
-              "rows", file=err)
+              f"steps); passes launched {h['passes_launched']} for "
+              f"{h['passes_with_rows']} with rows", file=err)
     for B, h in counted.get("host_queue", {}).items():
         print(f"counted, queue of {4 * B} through {B} slots: {100 * h['drained_share']:.1f}% of "
               "the passes read with "
@@ -504,8 +504,8 @@ def print_gpu(runs, checks, counted, arrived=()):
         print(f"arrivals, batch {a['batch']} {a['mode']:<13} at {a['share']:.0%} of "
               f"{a['capacity_req_s']:.2f} req/s: TTFT p50 {a['ttft_ms_p50']:.2f} / p99 "
               f"{a['ttft_ms_p99']:.2f} ms, TBT p50 {a['tbt_ms_p50']:.2f} / p99 "
-              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} for {a['passes']} "
-              "with rows", file=err)
+              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} "
+              f"for {a['passes']} with rows", file=err)
     for ch in checks:
         print(f"check, batch {ch['batch']}: {ch['check']}: {ch.get('agree', ch.get('equal'))}", file=err)
     print("batch: B requests of 32 + 32 tokens; queue: 4B requests of random lengths through B "
@@ -514,8 +514,8 @@ def print_gpu(runs, checks, counted, arrived=()):
           "head calls x head, at the bandwidth) over the wall time; ceiling: decode reading the "
           "weights at the bandwidth (fixed and the Ouro way U passes and one head a token, ragged "
           "Ē passes and heads); x fixed g / x ouro g / x ouro e: speed against graphed fixed@U, "
-          "the graphed and the eager Ouro way; paper: its eager H100 runs (fixed@4, ragged at τ "
-          "0.3)", file=err)
+          "the graphed and the eager Ouro way; paper: its eager H100 runs "
+          "(fixed@4, ragged at τ 0.3)", file=err)
 
 
 if __name__ == "__main__":

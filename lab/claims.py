@@ -398,8 +398,8 @@ def ra_claims(R):
                                            and b.get("windows")]
         if not any(pairs_of.values()):
             out.append(not_run(f"RA lowers the global ragged loss, changes the local model little: {data}",
-                               "§5, Table 5", "rule 3: against the noise floor of two dense "
-                               "continuations",
+                               "§5, Table 5", "rule 3: against the noise floor "
+                               "of two dense continuations",
                                f"{PREFIX[data]}-{{global,local}}-poisson-s<seed>-ra-{methods[0]}, "
                                "-cont-dense and -cont-dense-order2, from each parent"))
             continue
@@ -414,8 +414,8 @@ def ra_row(data, scope, method, pairs, floor):
     lo, hi = interval(reps)
     rag = lambda r: f"{r['final']['val_loss_ragged']['0.5']:.4f}"
     numbers = (f"RA minus dense, ragged@0.5 (nats; {len(pairs)} parents, then held-out windows, "
-               f"resampled): {ci(value, reps, 4)}; {sign_test(own, 'above 0')}; per parent, RA vs "
-               "dense: "
+               f"resampled): {ci(value, reps, 4)}; {sign_test(own, 'above 0')}; "
+               "per parent, RA vs dense: "
                + ", ".join(f"s{a['seed']} {rag(a)} vs {rag(b)}" for a, b in pairs))
     # a look-up task: the hardest k's answers
     if pairs[0][0].get("builtin") and pairs[0][1].get("builtin"):
@@ -435,8 +435,8 @@ def ra_row(data, scope, method, pairs, floor):
         runs += floor["runs"]
     if scope == "global":
         rule = ("rule 3: holds when RA minus dense has its 95% interval below minus the noise "
-                "floor (the 95% upper bound of |dense − dense on another data order| over the "
-                "parents)")
+                "floor (the 95% upper bound of |dense − dense on another data "
+                "order| over the parents)")
         claim = f"RA lowers the ragged loss beyond the dense continuation: {data}, global, {method}"
         holds = floor and hi < -floor["floor"]
     else:

@@ -133,8 +133,8 @@ def pointer_prior_claims(R, data, prior):
     table = lambda s: "; ".join(f"k={k} " + " / ".join(f"{acc(s, f'fixed@{d}', k):.2f}"
                                                        for d in range(1, U + 1))
                                 for k in levels)
-    numbers = (f"precondition, fixed@{U} minus fixed@1 at k={hard}, both scopes ({n}, items "
-               "resampled): "
+    numbers = (f"precondition, fixed@{U} minus fixed@1 at k={hard}, both scopes "
+               f"({n}, items resampled): "
                f"{ci(gain, reps)} ({GAIN_RULE}); accuracy at fixed@1..{U} per k: global "
                f"{table('global')}; local "
                f"{table('local')}; the answer's exit depth at k={hard} minus k={lo}, ETE-Ragged τ "
@@ -235,8 +235,8 @@ def need_claims(R):
     if too_few(*count.values()):
         here = (f"{count['global']} of {len(models['global'])} global, {count['local']} of "
                 f"{len(models['local'])} local models learn past one look-up")
-        return [row(claim, "§4, §6", rule, here, numbers, verdict="untested (too few learners: "
-                    f"{here})", runs=used)]
+        return [row(claim, "§4, §6", rule, here, numbers, verdict="untested "
+                    f"(too few learners: {here})", runs=used)]
     cells, holds = [], True
     for a, b in (("global", "local"), ("local", "global")):
         target = np.mean([m["at"][MATCH_AT]["depth"] for m in entering[b]])

@@ -19,8 +19,8 @@ Outputs in --out: results.json, records.jsonl (one line per item per mode; any f
 recomputed from it) and frontier.png.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.eval ...")
+    raise SystemExit("error: a lab script runs from the project root as a "
+                     "module: python -m lab.eval ...")
 import contextlib
 import json
 import math

@@ -62,8 +62,8 @@ def claims_table(rows):
     cell = lambda text: text.replace("|", "\\|")
     lines = ["| claim | paper | here: 95% interval (seeds) | verdict |", "|---|---|---|---|"]
     # a claim's marks, and what each means
-    keys = {"reruns": "† a run behind it was trained twice with the same settings and moved: see "
-            "its details.",
+    keys = {"reruns": "† a run behind it was trained twice with the same settings "
+            "and moved: see its details.",
             "untraced": "‡ a run behind it records no provenance (trained before result.json kept "
                         "how a run was made): see its details."}
     marks = lambda c: "".join(" " + text[0] for key, text in keys.items() if c[key])
@@ -107,8 +107,8 @@ def graded_tables(R):
              "(seeds, then items, resampled). Answer depth: the exit depth of the position that "
              "produced the answer; Σ e: the exit depths summed over every position the item ran "
              "(its prompt; the answer is sampled at its last position).", "",
-             "| model | mode | k | answer depth | P(exit ≥ k) | accuracy at the exit | Σ e over "
-             "the item |", "|---|---|---|---|---|---|---|"]
+             "| model | mode | k | answer depth | P(exit ≥ k) | accuracy at the "
+             "exit | Σ e over the item |", "|---|---|---|---|---|---|---|"]
     for m, suites in models:
         for t in (THRS if m in ("local", "global") else [0.5]):
             mode = f"ete_ragged@{t}"

@@ -14,8 +14,8 @@ with the answer, for models trained on raw text), "difficulty", "max_tokens", "a
 difficulty of each token of an answer of several).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.tasks ...")
+    raise SystemExit("error: a lab script runs from the project root as a "
+                     "module: python -m lab.tasks ...")
 import json
 import os
 import random
@@ -85,8 +85,8 @@ def check_item(item, where):
         ok = (text if texts else ids)(context) and isinstance(choices, list) and all(one(v) for v in choices)
         if not ok:
             raise UserError(f"--task {where}: an mc item's context is a string and its choices "
-                            "non-empty strings (or context_ids / choices_ids: non-empty lists of "
-                            "token ids)")
+                            "non-empty strings (or context_ids / choices_ids: "
+                            "non-empty lists of token ids)")
     elif kind == "gen":
         if not ("prompt" in item or "prompt_ids" in item) or not ("answer" in item
                                                                   or "answer_ids" in item):
@@ -202,8 +202,8 @@ def convert(names, out):
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError("--convert needs the optional datasets package (pip install datasets) and "
-                        "the network")
+        raise UserError("--convert needs the optional datasets package (pip install "
+                        "datasets) and the network")
     for name in names:
         path, configs, split, to_item = BENCHMARKS[name]
         for config in configs:
@@ -242,8 +242,8 @@ def gen_prompt_text(item, shots, chat):
     desc = item.get("description", "")
     if chat:
         return ("Question: " + (desc + "\n\n" if desc else "") + item["prompt"]
-                + "\n\nSolve the problem step by step. At the end, write exactly: the answer is "
-                "<answer>.")
+                + "\n\nSolve the problem step by step. At the end, write "
+                "exactly: the answer is <answer>.")
     head = (desc + "\n\n" if desc else "") + "".join(shot_text(s) + "\n\n" for s in shots)
     if item.get("extract") == "prefix":
         return head + item["prompt"]
