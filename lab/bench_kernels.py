@@ -26,9 +26,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# noqa: E402 (after the interpreter switch)
+# imported after the switch: Triton reads it when it is imported
 from configurator import SEED_RULE, UserError, parse, run_cli
-# noqa: E402
 from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton
 
 DEFAULTS = dict(
