@@ -315,6 +315,7 @@ def test_buckets_and_what_the_slot_runner_leaves_to_the_eager_one():
     model = varied_model(1)
     assert type(engine_for(model, 500).runner) is EagerRunner                 # the CPU: the eager runner
     assert type(engine_for(model, 500, engine="slots").runner) is SlotRunner
+    assert not engine_for(model, 500, engine="slots").runner.overlap   # a CPU: nothing to overlap, logs read at once
     with pytest.raises(UserError, match="nested"):
         Engine(model, 500, runner="slots", scheduler="nested")
     with pytest.raises(UserError, match="shares it"):
@@ -399,4 +400,5 @@ def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_
         srv.stop()
         httpd.server_close()
     assert isinstance(srv.engine.runner, SlotRunner) and served == sample_tokens(str(ckpt), "eager")
+    assert srv.engine.runner.overlap                    # where graphs capture, the runner pipelines its logs
     assert stand_in_graphs.modes == {(False, True)}         # grad off, inference mode: the mode of every replay
