@@ -1,0 +1,156 @@
+"""
+The frontier test of the paper's Fig. 1 on a task where every loop buys one look-up (the ladder):
+the hops items with k uniform on 1..4, a block that learns one look-up a loop, and rules fixed in
+this file before the runs they judge.
+
+    python -m lab.ladder --stage=pilot           # 2 seeds a scope: does any model climb the ladder?
+    python -m lab.ladder --stage=main            # 6 seeds a scope (8 if the pilot's learners are few)
+    python -m lab.ladder --stage=family          # the global arm's other priors (means 1.75, 3.25)
+    python -m lab.ladder --only=lad-local-uniform-s1337        # one run
+
+The rules (set before any run; none changes after a result):
+  1. Task: the hops items (one token a fact, forward references), k uniform on 1..4, all four
+     queries' answers scored (the chain digits drawn with replacement, so no answer is had by
+     elimination). A judging item set and a disjoint calibration set, 50 items a k each.
+  2. Models: the hops block (L = 1, d = 256, 8 heads, FFN 704, U = 4), trained as a curriculum: a
+     resume with a new data folder, 1,000 steps on k <= 2, then 2,000 on k <= 4 (16 x 128 tokens a
+     step). Primary arm: local KL (Eq. 9), uniform prior. Secondary arm: global KL (Eq. 10) with
+     priors of mean 1.75, 2.5 (uniform) and 3.25, App. B's β schedule; a global model enters only if
+     KL(π̄ ‖ prior) <= 0.02 at the end.
+  3. Entry gate (calibration items): fixed@(d+1) - fixed@d above 0, its interval excluding 0, for
+     d = 1, 2, 3; fewer than 3 entering models a scope: "untested (no ladder: n of m models)".
+  4. Operating points: ETE-Ragged at τ = 0.05 .. 0.95 (19 points) on the calibration items; for each
+     target whole-item depth in TARGETS the τ whose depth is nearest. Those τ are judged on the
+     judging items by lab/claims.py's rule 1 (accuracy over every scored answer, depth = the item's
+     Σe / tokens); Dense-Ragged on the decode of the four answers beside it.
+  5. Seeds: the pilot first (2 seeds a scope); a scope goes on only if a pilot model enters.
+  6. Ragged-aware training (direct, 500 steps) from each entering parent with its two dense
+     continuations (the noise floor), judged the same way.
+  7. A gate-free baseline on the same checkpoints: exit where two consecutive loops' next-token
+     distributions differ by less than a KL threshold, chosen by the same nearest-depth rule.
+
+Each run writes its folder under --out (ckpt.pt, log.jsonl, stages.json: each stage's commit, wall
+time and CPU seconds); runs are resumable stage by stage.
+"""
+if not __package__:   # run by its path: the project's modules are importable from its root only
+    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
+                     "lab.ladder ...")
+import json
+import os
+import resource
+import sys
+import time
+
+import prepare_data
+import train
+from checkpoint import write_json
+from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
+from lab.reproduce import provenance
+
+DEFAULTS = dict(
+    stage="pilot",         # which runs: pilot, main, family (the global arm's other priors)
+    only="",               # comma-separated run names: just these
+    out="results/ladder",  # run folders, the datasets (data/), the report
+    seed=1337,             # the first seed
+    threads=1,             # torch threads (1: two runs side by side on 2 cores)
+    quick=False,           # a tiny version (a smoke test: seconds)
+)
+RULES = dict(stage=["pilot", "main", "family"], seed=SEED_RULE, threads=THREADS_RULE)
+
+# rule 2: the block, the curriculum, the priors
+BLOCK = ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
+         "--block_size=128", "--batch_size=16", "--learning_rate=1.5e-3", "--warmup_iters=100",
+         "--lr_decay_start=2000", "--max_iters=3000", "--eval_interval=500", "--eval_iters=10",
+         "--log_interval=25"]
+QUICK = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--ffn_hidden=64",
+         "--block_size=64", "--batch_size=4", "--warmup_iters=2", "--max_iters=12",
+         "--eval_interval=4", "--eval_iters=1", "--log_interval=4"]
+CURRICULUM = [(2, 1000), (4, 3000)]        # (the hardest k of the data, the step the stage ends at)
+QUICK_CURRICULUM = [(2, 4), (4, 12)]
+DATA_TOKENS = 5_000_000                    # each stage's dataset (train + val), as the hops grid's
+PRIORS = {"uniform": 2.5}                  # the pilot's prior in both scopes; its mean
+FAMILY = [1.75, 3.25]                      # the global arm's other prior means
+SEEDS = dict(pilot=2, main=6)              # seeds a scope (main: 8 if the pilot's learners are few)
+KL_ENTRY = 0.02                            # rule 2: a global model enters only this close to its prior
+TARGETS = [1.25, 1.75, 2.25, 2.75, 3.25, 3.75]      # rule 4: whole-item depths
+TAUS = [round(0.05 * i, 2) for i in range(1, 20)]   # rule 4: 0.05 .. 0.95
+ITEMS_PER_K = 50                                    # rule 1: a set's items a k
+
+
+def grid(c):
+    """Every run of the stage: name -> train.py's objective flags."""
+    n = SEEDS["main" if c["stage"] == "family" else c["stage"]]
+    seeds = [c["seed"] + i for i in range(n)]
+    runs = {}
+    if c["stage"] in ("pilot", "main"):
+        for scope in ("local", "global"):
+            for seed in seeds:
+                runs[f"lad-{scope}-uniform-s{seed}"] = ["--prior=uniform", f"--seed={seed}"] + (
+                    ["--global_kl"] if scope == "global" else [])
+    else:
+        raise UserError("--stage=family: the prior family's runs come after the pilot reads a "
+                        "ladder (rule 5); not built yet")
+    return runs
+
+
+def stage_data(c, k):
+    """The dataset of one curriculum stage (hops items, k <= k), prepared once."""
+    root = os.path.join(c["out"], "data", f"k{k}")
+    if not os.path.isfile(os.path.join(root, "hops", "meta.json")):
+        prepare_data.prepare(dict(prepare_data.DEFAULTS, dataset="hops", data_dir=root, max_k=k,
+                                  size=20_000 if c["quick"] else DATA_TOKENS))
+    return root
+
+
+def cpu_seconds():
+    """CPU time this process has spent so far (what a stage costs, whatever else the machine runs)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def train_run(name, flags, c):
+    """A run's curriculum, stage by stage: each stage resumes the run on its own data folder up to
+    its step, and records its commit, wall time and CPU time in stages.json. A finished stage is
+    skipped, so an interrupted run resumes where it stopped."""
+    folder = os.path.join(c["out"], name)
+    record = os.path.join(folder, "stages.json")
+    done = []
+    if os.path.isfile(record):
+        with open(record) as f:
+            done = json.load(f)
+    base = (QUICK if c["quick"] else BLOCK) + flags + [f"--out_dir={folder}", "--dataset=hops",
+                                                         "--eval_thr=0.5", "--threads=1"]
+    for i, (k, until) in enumerate(QUICK_CURRICULUM if c["quick"] else CURRICULUM):
+        if i < len(done):
+            continue
+        data = stage_data(c, k)
+        args = base + [f"--data_dir={data}", f"--stop_iter={until}"]
+        if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+            args.append("--init_from=resume")
+        print(f"== {name}, stage {i + 1} (k <= {k}, to step {until}): python train.py "
+              f"{' '.join(args)}", file=sys.stderr)
+        made, wall, cpu = provenance(), time.time(), cpu_seconds()
+        train.main(args)
+        made.update(k=k, until=until, wall_seconds=round(time.time() - wall, 1),
+                    cpu_seconds=round(cpu_seconds() - cpu, 1))
+        done.append(made)
+        write_json(record, done)
+    return done
+
+
+def main(argv):
+    c = parse(argv, DEFAULTS, RULES, __file__)
+    set_threads(c["threads"])
+    check_writable(c["out"], "out")
+    runs = grid(c)
+    wanted = [n for n in str(c["only"]).split(",") if n] or list(runs)
+    unknown = [n for n in wanted if n not in runs]
+    if unknown:
+        raise UserError(f"--only: unknown run {unknown[0]!r}; runs of --stage={c['stage']}: "
+                        f"{', '.join(runs)}")
+    for name in wanted:
+        train_run(name, runs[name], c)
+
+
+if __name__ == "__main__":
+    run_cli(main)
