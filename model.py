@@ -56,19 +56,6 @@ class GPTConfig:
     def head_dim(self):
         return self.n_embd // self.n_head
 
-    def check(self):
-        """Shapes that must fit together; each message names the keys (train.py's flags)."""
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                    "ffn_hidden", "n_loops"):
-            if getattr(self, key) < 1:
-                raise UserError(f"--{key}={getattr(self, key)}: must be >= 1")
-        if self.n_embd % self.n_head:
-            raise UserError(f"--n_embd={self.n_embd}: must be a multiple of --n_head={self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise UserError(f"--n_kv_head={self.n_kv_head}: must divide --n_head={self.n_head}")
-        if self.head_dim % 2:
-            raise UserError(f"--n_embd={self.n_embd}: head_dim = n_embd / n_head = {self.head_dim} "
-                            "must be even for RoPE")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -113,21 +100,6 @@ def attention(q, k, v, mask=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
-def stack_weights(*linears):
-    """One weight for several projections of the same input: their weights stacked along the output,
-    with each Linear's weight turned into a view of its rows (one tensor in memory, whatever later
-    changes it in place). One GEMM then does the work of several: fewer kernels a layer, the way
-    inference engines run q/k/v and gate/up (gpt-fast's wqkv). The checkpoint keeps its own names:
-    the stacked weight is a non-persistent buffer, the views stay the parameters it saves."""
-    stacked = torch.cat([lin.weight.detach() for lin in linears])
-    at = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight.data = stacked[at:at + n]
-        at += n
-    return stacked
-
-
 class Attention(nn.Module):
     """The projections of grouped-query attention (the attention itself is `attention`, or a cache's)."""
 
@@ -140,9 +112,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=False)
         # q, k, v stacked (fuse), else None
         self.register_buffer("qkv_weight", None, persistent=False)
-
-    def fuse(self):
-        self.qkv_weight = stack_weights(self.q_proj, self.k_proj, self.v_proj)
 
     def qkv(self, x, cos, sin):
         """Queries, keys and values (B, heads, T, D), queries and keys rotated (RoPE): one GEMM when
@@ -175,9 +144,6 @@ class MLP(nn.Module):
         # gate, up stacked (fuse), else None
         self.register_buffer("gate_up_weight", None, persistent=False)
 
-    def fuse(self):
-        self.gate_up_weight = stack_weights(self.gate_proj, self.up_proj)
-
     def forward(self, x):
         if self.gate_up_weight is None or torch.is_grad_enabled():
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -189,7 +155,7 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     """The Ouro layer: four RMSNorms ("sandwich"), attention and SwiGLU, no biases. Its two halves
     around the attention are methods of their own, so that a fast path can compile each once for
-    every layer and run its own attention between them (slot_pass.py)."""
+    every layer and run its own attention between them (engine/slot_pass.py)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -220,7 +186,7 @@ class Layer(nn.Module):
 class LoopedLM(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        cfg.check()
+        check_shapes(cfg)
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layer))
@@ -235,19 +201,6 @@ class LoopedLM(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-    def fuse_projections(self):
-        """Four GEMMs a layer instead of seven: q/k/v as one projection and gate/up as one
-        (stack_weights), for the graphed engine (slot_engine.py), which calls it when it starts
-        (idempotent), where a layer's launches are its cost. The eager engine leaves them apart: on
-        a CPU one wide GEMM is slower than three narrow ones at 4-8 rows (docs/benchmarks.md). Call
-        it after moving the model (.to() would copy the stacked weights apart from the
-        parameters)."""
-        for layer in self.layers:
-            if layer.self_attn.qkv_weight is None:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
-        return self
 
     def rope(self, positions, dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
@@ -405,27 +358,6 @@ def forward_lanes(model, idx, cache, pos, n_run):
     return states, torch.stack(gates, -1)
 
 
-def check_prompt(cfg, ids, max_new_tokens):
-    """The one check of a prompt and its budget, for every entry point (generate, the engine, and so
-    sample.py, lab/eval.py and the server): a non-empty list of token ids inside the vocabulary,
-    with room in the context for max_new_tokens more. UserError names the field: prompt or
-    max_tokens."""
-    if not isinstance(ids, list) or not ids:
-        raise UserError("prompt: the prompt is empty; give a non-empty list of token ids", "prompt")
-    bad = [t for t in ids
-           if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size)]
-    if bad:
-        raise UserError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, "
-                        f"{cfg.vocab_size})", "prompt")
-    if len(ids) >= cfg.block_size:
-        raise UserError(f"prompt of {len(ids)} tokens: the context length is "
-                        f"block_size={cfg.block_size}; give "
-                        f"at most {cfg.block_size - 1} tokens", "prompt")
-    if len(ids) + max_new_tokens > cfg.block_size:
-        raise UserError(f"prompt of {len(ids)} tokens + max_tokens={max_new_tokens} exceeds the "
-                        f"context length block_size={cfg.block_size}", "max_tokens")
-
-
 @torch.inference_mode()
 def generate(model, ids, max_new_tokens, mode="ouro", depth=None, thr=0.5, sampler=None,
              naive=False):
@@ -470,24 +402,24 @@ FULL = float("inf")  # a threshold no CDF reaches: the token runs every depth (e
 
 
 class RaggedReads:
-    """Attention hook of the dense-shaped ragged forward: a query at depth d reads key j at depth
-    min(d, e_j) (Eq. 7), its own depth while j still runs, j's terminal depth once j has stopped.
-    `read` holds that depth (0-based) per key for the block application in progress (depth `d`,
-    0-based). Since it only moves while the token runs, each layer keeps every key's K/V at its read
-    depth: refreshed where read == d, kept where the token has stopped. With `history` a list, the
-    K/V read at every (depth, layer) are appended to it (the committed rollout of counterfactual
-    training)."""
+    """Attention hook of the dense-shaped ragged forward: each layer keeps the K/V of every token at
+    every depth run so far, and a query at depth d reads key j at depth min(d, e_j) (Eq. 7): its own
+    depth while j still runs, j's exit depth once j has stopped. `depth` holds min(d, e_j) per key
+    (B, T; e_j counts as U while j runs) for the block application in progress. With `history` a
+    list, the K/V read at every (depth, layer) are appended to it (the committed rollout of
+    counterfactual training)."""
 
     def __init__(self, n_layer, history=None):
-        self.k, self.v = [None] * n_layer, [None] * n_layer
-        self.read, self.d = None, 0      # (B, T) long; the depth being run
+        self.k, self.v = [[] for _ in range(n_layer)], [[] for _ in range(n_layer)]
+        self.depth = None
         self.history = history
 
     def layer_kv(self, layer, k, v):
-        if self.k[layer] is not None:
-            fresh = (self.read == self.d)[:, None, :, None]          # keys read at this depth
-            k, v = torch.where(fresh, k, self.k[layer]), torch.where(fresh, v, self.v[layer])
-        self.k[layer], self.v[layer] = k, v
+        self.k[layer].append(k)
+        self.v[layer].append(v)
+        at = (self.depth - 1)[None, :, None, :, None].expand(1, *k.shape)     # (1, B, H, T, D)
+        # Eq. 7: key j is read at depth min(d, e_j), from the K/V it had there
+        k, v = (torch.stack(kv).gather(0, at)[0] for kv in (self.k[layer], self.v[layer]))
         if self.history is not None:
             self.history.append((k, v))
         T = k.shape[2]
@@ -521,7 +453,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     states = torch.zeros_like(h)
     gates, kv = [], RaggedReads(model.config.n_layer, history)
     for d in range(1, U + 1):
-        kv.read, kv.d = torch.clamp(last, max=d) - 1, d - 1         # Eq. 7: read K/V at min(d, e_j)
+        kv.depth = torch.clamp(last, max=d)                         # Eq. 7: min(d, e_j) for every j
         hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
         gates.append(gate)
         if exits is not None:
@@ -560,6 +492,75 @@ def exit_stats(exits, U):
     fr = [float((e == d).double().mean()) if e.numel() else 0.0 for d in range(1, U + 1)]
     jr = [float((jumps == k).double().mean()) if jumps.numel() else 0.0 for k in range(U)]
     return {"exit_fractions": fr, "jump_rates": jr, "large_jump_rate": float(sum(jr[2:]))}
+
+
+# ----------------------------------------------------------------------------- below the paper
+# The checks every entry point shares, and the engine's stacked projections.
+
+def check_shapes(cfg):
+    """Shapes that must fit together; each message names the keys (train.py's flags)."""
+    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                "ffn_hidden", "n_loops"):
+        if getattr(cfg, key) < 1:
+            raise UserError(f"--{key}={getattr(cfg, key)}: must be >= 1")
+    if cfg.n_embd % cfg.n_head:
+        raise UserError(f"--n_embd={cfg.n_embd}: must be a multiple of --n_head={cfg.n_head}")
+    if cfg.n_head % cfg.n_kv_head:
+        raise UserError(f"--n_kv_head={cfg.n_kv_head}: must divide --n_head={cfg.n_head}")
+    if cfg.head_dim % 2:
+        raise UserError(f"--n_embd={cfg.n_embd}: head_dim = n_embd / n_head = {cfg.head_dim} "
+                        "must be even for RoPE")
+
+
+def check_prompt(cfg, ids, max_new_tokens):
+    """The one check of a prompt and its budget, for every entry point (generate, the engine, and so
+    sample.py, lab/eval.py and the server): a non-empty list of token ids inside the vocabulary,
+    with room in the context for max_new_tokens more. UserError names the field: prompt or
+    max_tokens."""
+    if not isinstance(ids, list) or not ids:
+        raise UserError("prompt: the prompt is empty; give a non-empty list of token ids", "prompt")
+    bad = [t for t in ids
+           if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < cfg.vocab_size)]
+    if bad:
+        raise UserError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, "
+                        f"{cfg.vocab_size})", "prompt")
+    if len(ids) >= cfg.block_size:
+        raise UserError(f"prompt of {len(ids)} tokens: the context length is "
+                        f"block_size={cfg.block_size}; give "
+                        f"at most {cfg.block_size - 1} tokens", "prompt")
+    if len(ids) + max_new_tokens > cfg.block_size:
+        raise UserError(f"prompt of {len(ids)} tokens + max_tokens={max_new_tokens} exceeds the "
+                        f"context length block_size={cfg.block_size}", "max_tokens")
+
+
+def stack_weights(*linears):
+    """One weight for several projections of the same input: their weights stacked along the output,
+    with each Linear's weight turned into a view of its rows (one tensor in memory, whatever later
+    changes it in place). One GEMM then does the work of several: fewer kernels a layer, the way
+    inference engines run q/k/v and gate/up (gpt-fast's wqkv). The checkpoint keeps its own names:
+    the stacked weight is a non-persistent buffer, the views stay the parameters it saves."""
+    stacked = torch.cat([lin.weight.detach() for lin in linears])
+    at = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = stacked[at:at + n]
+        at += n
+    return stacked
+
+
+def fuse_projections(model):
+    """Four GEMMs a layer instead of seven: q/k/v as one projection and gate/up as one
+    (stack_weights), for the graphed engine (engine/slots.py), which calls it when it starts
+    (idempotent), where a layer's launches are its cost. The eager engine leaves them apart: on a CPU
+    one wide GEMM is slower than three narrow ones at 4-8 rows (docs/benchmarks.md). Call it after
+    moving the model (.to() would copy the stacked weights apart from the parameters). Returns the
+    model."""
+    for layer in model.layers:
+        if layer.self_attn.qkv_weight is None:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv_weight = stack_weights(a.q_proj, a.k_proj, a.v_proj)
+            m.gate_up_weight = stack_weights(m.gate_proj, m.up_proj)
+    return model
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 from configurator import UserError
 from model import FULL, check_prompt, forward_ragged, threshold_exit
-from request import SEED_MAX
+from engine.request import SEED_MAX
 
 
 class Rule(NamedTuple):

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from configurator import UserError
+
 
 def causal_mask(pos, T, n_keys, device):
     """Queries at positions pos..pos+T-1 may read keys at positions <= their own."""
@@ -45,38 +47,6 @@ class DenseLanes:
         return lane_k[:, :, :end], lane_v[:, :, :end], causal_mask(self.pos, T, end, k.device)
 
 
-class StaticLanes(DenseLanes):
-    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, lab/bench_gpu.py): the
-    next position is a tensor on the device, each layer writes its K/V there and attends over the
-    whole lane through a mask of the positions written so far, as gpt-fast's static cache does;
-    `depth` is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so
-    that a compiled step writes each in place."""
-
-    def __init__(self, model, n_lanes, max_len, batch=1):
-        cfg, p = model.config, model.lm_head.weight
-        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype,
-                                   device=p.device)
-        self.k = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
-        self.v = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
-        self.depth = 0
-        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)
-
-    def buffers(self):
-        """Every tensor a step changes (for a graph capture to restore)."""
-        return [t for lanes in (self.k, self.v) for lane in lanes for t in lane] + [self.pos]
-
-    def begin(self, depth, pos=None):
-        self.depth = depth
-
-    def layer_kv(self, layer, k, v):
-        # this chunk's positions
-        at = self.pos + torch.arange(k.shape[2], device=k.device)
-        lane_k, lane_v = self.k[self.depth][layer], self.v[self.depth][layer]
-        lane_k.index_copy_(2, at, k)
-        lane_v.index_copy_(2, at, v)
-        return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
-
-
 # ----------------------------------------------------------------------- Ragged KV pages (App. A.1)
 
 def page_bytes(model):
@@ -94,6 +64,15 @@ def memory_bytes(device):
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return float("inf")
+
+
+def check_pool(model, kv_pages):
+    """A pool of kv_pages must fit the device's memory (UserError naming --kv_pages)."""
+    need, have = kv_pages * page_bytes(model), memory_bytes(model.lm_head.weight.device)
+    if need > have:
+        raise UserError(f"--kv_pages={kv_pages}: a pool of {kv_pages} pages of "
+                        f"{page_bytes(model) / 1024:.1f} KiB needs {need / 2**30:.1f} GiB; this "
+                        f"machine has {have / 2**30:.1f} GiB", "kv_pages")
 
 
 def pool_pages(model, kv_pages=0, kv_memory=0.0, max_batch=32):
@@ -120,14 +99,12 @@ class PagePool:
     compiled pass writes each in place (a write through a view of a graph's input is copied whole).
     A free list hands pages out."""
 
-    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu",
-                 scratch=False):
+    def __init__(self, n_pages, n_layer, n_kv_head, head_dim, dtype=torch.float32, device="cpu"):
         self.n_pages = n_pages
-        # scratch: one more page, past the last, that padding rows of a static batch write and no
-        # row reads (slot_pass.py); it is never handed out
-        self.scratch = n_pages if scratch else None
-        page = lambda: torch.zeros(n_pages + bool(scratch), n_kv_head, head_dim, dtype=dtype,
-                                   device=device)
+        # one more page, past the last, that padding rows of a static batch write and no row reads
+        # (engine/slot_pass.py); it is never handed out
+        self.scratch = n_pages
+        page = lambda: torch.zeros(n_pages + 1, n_kv_head, head_dim, dtype=dtype, device=device)
         self.k, self.v = [page() for _ in range(n_layer)], [page() for _ in range(n_layer)]
         self.free = list(range(n_pages - 1, -1, -1))  # a stack: pop() hands out low ids first
         self.owner = [None] * n_pages                 # which sequence holds each page
@@ -135,9 +112,9 @@ class PagePool:
         self.writes = 0
 
     @classmethod
-    def for_model(cls, model, n_pages, scratch=False):
+    def for_model(cls, model, n_pages):
         cfg, p = model.config, model.lm_head.weight
-        return cls(n_pages, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, p.dtype, p.device, scratch)
+        return cls(n_pages, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, p.dtype, p.device)
 
     @property
     def used(self):
@@ -214,12 +191,30 @@ class RaggedSeq:
 
     def stop(self, pos, d):
         """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per
-        token): deeper rows alias P_{i,d} (Eq. 11)."""
+        token): deeper rows alias P_{i,d} (Eq. 11). A page taken ahead for a deeper depth (the slot
+        runner takes every depth of a position before it runs) was never computed: it goes back."""
         d = torch.as_tensor(d).reshape(-1).expand(len(pos))
         deeper = torch.arange(self.U)[None, :] > d[:, None]
-        assert not (self.real[pos] & deeper).any(), "a page past the exit is held (a runner hands it back first)"
-        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]),
-                                      self.table[pos])
+        ahead = self.real[pos] & deeper
+        if ahead.any():
+            self._give_back(self.table[pos][ahead].tolist())
+            self.real[pos] &= ~deeper
+        # Eq. 11: A_d[i] = P_{i, min(d, e_i)}
+        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]), self.table[pos])
+
+    def trim(self, n):
+        """Positions n.. never ran: the pages taken ahead for them go back, and the table ends at n."""
+        n = min(n, self.n)
+        if n == self.n:
+            return
+        ahead = self.real[n:self.n]
+        self._give_back(self.table[n:self.n][ahead].tolist())
+        self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
+
+    def _give_back(self, pages):
+        """Pages taken and never computed: back to the pool, and off the block evaluations."""
+        self.pool.release(pages, self)
+        self.block_evals -= len(pages)
 
     def collapse(self, pos, depth):
         """Table 17 baselines: read token i at one depth (0-based depth[i]) from every depth, and

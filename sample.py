@@ -35,11 +35,12 @@ from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE,
                           check_needs, parse, run_cli, set_threads)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
-from request import Request
+from engine.request import Request
 from modes import MODES
-from scheduler import scheduler_for
-from serve_depthbatch import ENGINES, HEADS, engine_for
-from slot_pass import draw_kind
+from engine.scheduler import scheduler_for
+from engine.shared_head import HEADS
+from serve_depthbatch import RUNNERS, engine_for
+from engine.slot_pass import draw_kind
 from tokenizer import IM_END, chat_ids, check_chat, start_of_text
 
 DEFAULTS = dict(
@@ -61,7 +62,7 @@ DEFAULTS = dict(
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="auto",           # LM-head calls: shared (exited rows wait to share one), eager; auto: the engine's own
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
+    runner="auto",         # auto: graph-captured passes (engine/slots.py) on CUDA, the eager runner on a CPU
     kv_pages=0,            # KV pages of the shared pool (0: enough for every token of every sample at every depth)
     json=False,            # print one JSON object as the last line of stdout
     show_exits=False,      # print the text with each new token colored by its exit depth
@@ -71,7 +72,7 @@ RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]",
              top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0",
              prefill_thr="in [0, 1]", prefill_schedule=["", "cosine"], prefix_full=">= 0",
-             kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, engine=ENGINES, **MODEL_RUN_RULES)
+             kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, runner=RUNNERS, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (checked with the model's U:
 # check_args)
 prefill = ("--mode=ete_ragged (or collapse_kv)",
@@ -195,7 +196,7 @@ def sample_engine(c, model, ids, mode):
         return engine_for(model, pages, max_batch=c["num_samples"],
                           max_rows=c["num_samples"] * len(ids),
                           attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                          engine=c["engine"],
+                          runner=c["runner"],
                           sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:

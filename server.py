@@ -32,9 +32,10 @@ from configurator import MODEL_RUN, MODEL_RUN_RULES, UserError, parse, run_cli, 
 from kernels import IMPLS
 from model import exit_stats
 from ragged import page_bytes, pool_pages
-from request import BadRequest, parse_request
-from scheduler import SCHEDULERS
-from serve_depthbatch import ENGINES, HEADS, engine_for
+from engine.request import BadRequest, parse_request
+from engine.scheduler import SCHEDULERS
+from engine.shared_head import HEADS
+from serve_depthbatch import RUNNERS, engine_for
 from tokenizer import has_chat, start_of_text
 
 MAX_BODY = 16 << 20                       # bytes of one request body
@@ -530,14 +531,14 @@ DEFAULTS = dict(
     scheduler="continuous",  # how rows share passes: every pass (continuous), waves (nested), all loops at once (fixed)
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="eager",          # LM-head calls: eager (every pass with an exit) or shared (rows wait to share one call)
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
+    runner="auto",         # auto: graph-captured passes (engine/slots.py) on CUDA, the eager runner on a CPU
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
     verbose=False,         # log every HTTP request
     drain_timeout=30.0,    # seconds a stopping server (SIGTERM, SIGINT) lets admitted requests finish; then they end
 )
 RULES = dict(port="in [0, 65535]", drain_timeout=">= 0", kv_pages=">= 0", kv_memory=">= 0",
              max_batch=">= 1", max_rows=">= 1",
-             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, engine=ENGINES, **MODEL_RUN_RULES)
+             scheduler=SCHEDULERS, attn=IMPLS, head=HEADS, runner=RUNNERS, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (they would do nothing)
 NEEDS = dict(kv_memory=("--kv_pages=0", lambda c: c["kv_pages"] == 0))
 
@@ -555,7 +556,7 @@ def start(argv):
     chat = encode is not None and has_chat(meta)
     started = time.perf_counter()           # a graph engine compiles and captures its passes here
     engine = engine_for(model, pages, c["max_batch"], c["max_rows"], c["scheduler"], c["attn"],
-                        c["head"], c["engine"])
+                        c["head"], c["runner"])
     ready = time.perf_counter() - started
     name = os.path.basename(os.path.normpath(c["ckpt"]))
     httpd, server = serve(engine, c["host"], c["port"], encode, decode, name, chat, eos,

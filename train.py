@@ -34,7 +34,7 @@ from checkpoint import (aside_folder, atomic_write, is_ouro_folder, keep_aside, 
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse,
                           resolve_device, run_cli, set_threads)
 from metrics import chunks, draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
-from model import GPTConfig, LoopedLM
+from model import GPTConfig, LoopedLM, check_shapes
 from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
 from tokenizer import check_meta
 
@@ -283,7 +283,7 @@ def check_config(c, given=()):
             raise UserError(f"--branch_from={c.branch_from}: a branch writes its own --out_dir; "
                             "the parent stays untouched")
     else:
-        GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}).check()
+        check_shapes(GPTConfig(vocab_size=1, **{k: getattr(c, k) for k in MODEL_KEYS}))
     if c.stop_iter == 0:
         raise UserError("--stop_iter=0: stops before the first step; give a positive "
                         "iteration (or -1: no stop)")

@@ -38,8 +38,9 @@ from configurator import SEED_RULE, THREADS_RULE, UserError, device_rule, parse,
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, generate
 from objectives import Objective, exit_prior, n_uniforms, train_step
-from request import Request
-from serve_depthbatch import HEADS, Engine
+from engine.request import Request
+from engine.shared_head import HEADS
+from serve_depthbatch import Engine
 
 DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching

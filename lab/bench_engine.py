@@ -13,23 +13,21 @@ throughput window, the bound, the cost model) is in docs/benchmarks.md.
 if not __package__:   # run by its path: the project's modules are importable from its root only
     raise SystemExit("error: a lab script runs from the project root as a module: python -m "
                      "lab.bench_engine ...")
-import json
 import math
-import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
 
 from lab.bench_gpu import ouro_way
-from checkpoint import export_ouro, load_checkpoint
+from lab.ouro_code import ouro_code_generate, ouro_code_model
+from checkpoint import load_checkpoint
 from configurator import UserError, resolve_device
 from model import GPTConfig, LoopedLM
-from request import Request
-from serve_depthbatch import HEADS, Engine, weight_bytes
+from engine.request import Request
+from engine.shared_head import HEADS, weight_bytes
+from serve_depthbatch import Engine
 
 # Random models whose gates spread the exits over depths 1..4 (decode Ē about 2.5 at τ 0.5). The LM
 # head's weights against the block's: 0.08 for Ouro-1.4B (vocabulary 49,152, 24 layers of 2048),
@@ -131,51 +129,6 @@ def engine_model(c):
         return load_checkpoint(c["ckpt"], device)[0]
     # Ouro's code normalizes the state after every loop: a model it runs alike needs the same
     return bench_model(c["seed"], c["shape"], c["vocab"] or None, loop_norm=bool(c["ouro_code"])).to(device)
-
-
-def ouro_code_model(model, path):
-    """The same weights under the public Ouro modeling code (transformers 4.54/4.55): `model`
-    written as an Ouro folder (checkpoint.export_ouro, fp32) beside copies of modeling_ouro.py and
-    configuration_ouro.py, opened with AutoModelForCausalLM. For the `--ouro_code` row only."""
-    code = os.path.dirname(os.path.abspath(path))
-    if os.path.basename(path) != "modeling_ouro.py" or not os.path.isfile(path):
-        raise UserError(f"--ouro_code={path!r}: expected the path of Ouro's modeling_ouro.py")
-    if not os.path.isfile(os.path.join(code, "configuration_ouro.py")):
-        raise UserError(f"--ouro_code={path!r}: configuration_ouro.py must lie beside it")
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise UserError("--ouro_code needs the optional transformers package, in the version "
-                        "Ouro's code asks for: pip install transformers==4.54.1 safetensors")
-    if not model.config.loop_norm:
-        raise UserError("--ouro_code: Ouro's code normalizes the state after every loop; this "
-                        "model was built without it (loop_norm=False)")
-    folder = tempfile.mkdtemp(prefix="bench-ouro-")
-    export_ouro(model, folder, dtype=torch.float32)
-    for name in ("modeling_ouro.py", "configuration_ouro.py"):
-        shutil.copy(os.path.join(code, name), folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        hf = json.load(f)
-    # the local copies, not the Hub's
-    hf["auto_map"] = {"AutoConfig": "configuration_ouro.OuroConfig",
-                      "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f)
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
-                                                torch_dtype=torch.float32).eval()
-
-
-def ouro_code_generate(hf, prompts, n_new, temperature, top_p):
-    """Its own `generate`: every token all U loops (exit_threshold only picks the logits), exactly
-    n_new tokens per row. Sampling draws from torch's global generator, seeded 0 per run."""
-    torch.manual_seed(0)
-    ids = torch.tensor(prompts, device=hf.device)
-    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else \
-        dict(do_sample=False)
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                          min_new_tokens=n_new, pad_token_id=0, **sample)
-    return out[:, ids.shape[1]:].tolist()
 
 
 # The engine benchmark's request lengths: (prompt range, output range) of the queue and the capacity
@@ -572,7 +525,7 @@ def bench_record(run, thr, batch):
                 preemptions=s["preemptions"], tokens=tokens, row_depths=s["rows"],
                 head_calls=s["head_calls"],
                 rows_per_head_call=s["head_rows"] / max(s["head_calls"], 1),
-                **cost(U, (e.runner.w_block, e.runner.w_head), s["passes"], s["head_calls"], avg))
+                **cost(U, weight_bytes(e.model), s["passes"], s["head_calls"], avg))
 
 
 def fastest(records):

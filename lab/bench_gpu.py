@@ -49,11 +49,13 @@ import torch
 from kernels import splits_for
 from lab import gpu_counts
 from lab.gpu_counts import captured_launches, inductor_launches
-from model import GPTConfig, LoopedLM, forward_lanes, threshold_exit
-from ragged import DenseLanes, PagePool, StaticLanes, pool_pages
-from request import Request, sample_token
-from serve_depthbatch import Engine, engine_for, weight_bytes
-from slot_pass import Graphs, Slots, allow_recompiles, finish_rows
+from model import GPTConfig, LoopedLM, forward_lanes, fuse_projections, threshold_exit
+from ragged import DenseLanes, PagePool, pool_pages
+from engine.request import Request, sample_token
+from engine.shared_head import weight_bytes
+from serve_depthbatch import Engine, engine_for
+from engine.graphs import Graphs, allow_recompiles
+from engine.slot_pass import Slots, finish_rows
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
     "ouro1.4b": dict(vocab_size=49152, n_layer=24, n_head=16, n_kv_head=16, n_embd=2048,
@@ -66,6 +68,40 @@ PAPER_H100_EAGER = {        # the paper's Table of matched eager H100 runs, tok/
 N_PROMPT, N_NEW, THR, TARGET_DEPTH = 32, 32, 0.5, 2.6
 QUEUE_PER_SLOT = 4          # the queue: this many requests per slot, prompts of 8..N_PROMPT, 8..N_NEW new tokens
 ARRIVAL_SHARES = (0.5, 0.9)   # arrivals at these shares of the requests a second the queue measured
+
+
+class StaticLanes(DenseLanes):
+    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, OuroWay): the
+    next position is a tensor on the device, each layer writes its K/V there and attends over the
+    whole lane through a mask of the positions written so far, as gpt-fast's static cache does;
+    `depth` is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so
+    that a compiled step writes each in place."""
+
+    def __init__(self, model, n_lanes, max_len, batch=1):
+        cfg, p = model.config, model.lm_head.weight
+        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype,
+                                   device=p.device)
+        self.k = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
+        self.v = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
+        self.depth = 0
+        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)
+
+    def buffers(self):
+        """Every tensor a step changes (for a graph capture to restore)."""
+        return [t for lanes in (self.k, self.v) for lane in lanes for t in lane] + [self.pos]
+
+    def begin(self, depth, pos=None):
+        self.depth = depth
+
+    def layer_kv(self, layer, k, v):
+        # this chunk's positions
+        at = self.pos + torch.arange(k.shape[2], device=k.device)
+        lane_k, lane_v = self.k[self.depth][layer], self.v[self.depth][layer]
+        lane_k.index_copy_(2, at, k)
+        lane_v.index_copy_(2, at, v)
+        return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
+
+
 
 
 def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
@@ -141,7 +177,7 @@ class OuroWay:
 
     def __init__(self, model, batch, graphs):
         dev = model.lm_head.weight.device
-        self.model = model.fuse_projections()
+        self.model = fuse_projections(model)
         if graphs:
             # a graph for each depth's lanes and chunk length
             allow_recompiles()
@@ -189,7 +225,7 @@ def kernel_counts(shape, R=2, device="cpu"):
     for L in sorted({1, 2, n_layer}):
         model = ouro_shape_model(shape, device, 0, [[0]], n_layer=L)
         passes[L] = captured_launches(model)
-    st = Slots(model.fuse_projections(), PagePool.for_model(model, 64, scratch=True), 2 * R, 2,
+    st = Slots(fuse_projections(model), PagePool.for_model(model, 64), 2 * R, 2,
                model.config.block_size, 8)
     with inductor_launches() as finish, torch.inference_mode():
         torch.compile(lambda st, R: finish_rows(model, st, R, st.h[:R][None], True, "greedy"),
@@ -417,7 +453,8 @@ def bench_gpu(c):
     t_start = time.perf_counter()
     counted = counts(c["gpu_shape"], device, batches)
     print(f"counted in {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    model = ouro_shape_model(c["gpu_shape"], device, c["seed"], prompts[max(batches)]).fuse_projections()
+    model = ouro_shape_model(c["gpu_shape"], device, c["seed"], prompts[max(batches)])
+    fuse_projections(model)
     wb, wh = weight_bytes(model)
     t_w, t_h = wb / BANDWIDTH, wh / BANDWIDTH
     U = model.config.n_loops

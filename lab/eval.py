@@ -37,10 +37,11 @@ from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
 from ragged import pool_pages
-from request import Request
-from scheduler import scheduler_for
-from serve_depthbatch import ENGINES, HEADS, engine_for
-from slot_pass import draw_kind
+from engine.request import Request
+from engine.scheduler import scheduler_for
+from engine.shared_head import HEADS
+from serve_depthbatch import RUNNERS, engine_for
+from engine.slot_pass import draw_kind
 from lab.tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines
 from tokenizer import IM_END, chat_ids, check_chat, start_of_text
 
@@ -72,7 +73,7 @@ DEFAULTS = dict(
     kv_pages=0,            # the engine's pool (0: max_batch full contexts at every depth, at most 2 GiB)
     attn="auto",           # paged attention (kernels.py)
     head="auto",           # LM-head calls of the generation runs: shared, eager; auto: the engine's own
-    engine="auto",         # auto: graph-captured passes (slot_engine.py) on CUDA, the eager engine on a CPU
+    runner="auto",         # auto: graph-captured passes (engine/slots.py) on CUDA, the eager runner on a CPU
     **MODEL_RUN,           # device, threads, dtype, tiktoken_file (configurator.py)
     seed=1234,             # seeds sampling and the builtin suite
     plots=True,            # draw frontier.png (needs matplotlib)
@@ -83,7 +84,7 @@ RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_mult
              max_tokens=">= 1",
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0",
              batch_size=">= 1", max_batch=">= 1", kv_pages=">= 0", attn=IMPLS,
-             head=["auto"] + HEADS, engine=ENGINES, seed=SEED_RULE, **MODEL_RUN_RULES,
+             head=["auto"] + HEADS, runner=RUNNERS, seed=SEED_RULE, **MODEL_RUN_RULES,
              k=lambda v: None
              if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
              "expected comma-separated positive integers")
@@ -191,11 +192,11 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
 
 def generation_engine(model, c, mode):
     """The engine of the generation runs (ours and lm-eval's): a pool for --max_batch full contexts
-    unless --kv_pages says otherwise, with --attn, --head and --engine, on the scheduler for the
+    unless --kv_pages says otherwise, with --attn, --head and --runner, on the scheduler for the
     mode."""
     return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"],
                       attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                      engine=c["engine"],
+                      runner=c["runner"],
                       sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])])
 
 

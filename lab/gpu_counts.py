@@ -18,10 +18,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-import slot_pass
-from request import Request
+from engine import graphs as graph_api
+from engine.request import Request
 from serve_depthbatch import Engine
-from slot_pass import CudaGraphs
+from engine.graphs import CudaGraphs
 
 
 # ----------------------------------------------------------------------------- launches
@@ -81,8 +81,8 @@ def captured_launches(model):
     """The launches of the first pass the slot engine captures when it starts (the smallest bucket,
     2 rows; head on; the greedy draw; the Triton attention, as on CUDA), counted from the compile
     that the capture itself makes, in the capture's own mode: what the replays run."""
-    gpu = slot_pass.GRAPHS.can_capture(model.lm_head.weight.device)
-    saved, slot_pass.GRAPHS = slot_pass.GRAPHS, slot_pass.GRAPHS if gpu else CountOnCpu()
+    gpu = graph_api.GRAPHS.can_capture(model.lm_head.weight.device)
+    saved, graph_api.GRAPHS = graph_api.GRAPHS, graph_api.GRAPHS if gpu else CountOnCpu()
     interpret = os.environ.get("TRITON_INTERPRET")
     if not gpu:
         # the attention kernel is scheduled here, never run
@@ -92,7 +92,7 @@ def captured_launches(model):
             Engine(model, 64, max_batch=1, max_rows=1, attn="triton", runner="slots", graphs=True,
                    fuse=True, sampling=("greedy",))
     finally:
-        slot_pass.GRAPHS = saved
+        graph_api.GRAPHS = saved
         if interpret is None:
             os.environ.pop("TRITON_INTERPRET")
         else:
@@ -234,7 +234,7 @@ def drive_slots(model, work, max_batch, max_rows, scheduler, graphs, counted):
     while engine.busy():
         sched = engine.scheduler
         before = list(sched.running)
-        calm = not sched.waiting and before and all(s.done >= s.host_end for s in before)
+        calm = not sched.waiting and before and all(s.done >= runner.host_end[s] for s in before)
         was, in_passes[0], t0 = now(), 0.0, time.perf_counter()
         with traffic if counted else contextlib.nullcontext():
             engine.step()

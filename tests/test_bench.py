@@ -10,7 +10,7 @@ import torch
 from lab import bench, bench_engine
 from configurator import UserError
 from conftest import prompt, varied_model
-from request import Request
+from engine.request import Request
 from serve_depthbatch import Engine
 
 

@@ -162,7 +162,7 @@ CASES = [
     (train, ["--branch_from=out", "--out_dir=branch", "--n_layer=3"], "n_layer"),
     # one model per folder; names that say what is wrong
     (export_ouro, ["--ckpt=ouro_ckpt", "--out=out"], "out"), (train, ["--out_dir=exported"], "out_dir"),
-    (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--engine=gpu"], "engine"),
+    (sample, ["--prompt=FILE:data", "--max_new_tokens=5"], "prompt"), (sample, ["--runner=gpu"], "runner"),
     (train, ["--eval_thr=0.5,0.3,0.5"], "eval_thr"), (train, ["--dataset=wrong_ids"], "dataset"),
     (server, ["--ckpt=out", "--host=no-such-host.invalid", "--port=0"], "host"),
     # lab/eval.py, lab/bench_kernels.py
@@ -188,7 +188,7 @@ CASES = [
     (train, ["--reinforce_k=4"], "reinforce_k"), (sample, ["--mode=ete_ragged", "--depth=2"], "depth"),
     (sample, ["--temperature=0", "--top_p=0.9"], "top_p"), (eval_py, ["--thresholds=0.3"], "thresholds"),
     (server, ["--kv_pages=100", "--kv_memory=1.0"], "kv_memory"), (bench, ["--gpu_shape=tiny"], "gpu_shape"),
-    (sample, ["--engine=slots", "--head=shared", "--max_new_tokens=5"], "head"),
+    (sample, ["--runner=slots", "--head=shared", "--max_new_tokens=5"], "head"),
 ]
 
 
@@ -392,16 +392,16 @@ def test_sample_says_when_the_context_cuts_max_new_tokens(sandbox, monkeypatch, 
 
 
 def test_the_slot_engine_runs_on_each_scripts_own_defaults(sandbox, monkeypatch, capsys):
-    """--engine=slots with nothing else set (the LM head: the engine's own): sample.py and lab/eval.py run,
+    """--runner=slots with nothing else set (the LM head: the engine's own): sample.py and lab/eval.py run,
     and give the eager engine's greedy tokens."""
     monkeypatch.chdir(sandbox)
     out = {}
     for engine in ("slots", "eager"):
-        records = sample.main(["--engine=" + engine, "--max_new_tokens=6", "--temperature=0", "--thr=0.5"])
+        records = sample.main(["--runner=" + engine, "--max_new_tokens=6", "--temperature=0", "--thr=0.5"])
         out[engine] = [r["tokens"] for r in records]
         with open("short.jsonl", "w") as f:
             f.write('{"type": "gen", "prompt": "a=3 b=a", "answer": "3", "extract": "prefix", "max_tokens": 3}\n')
-        runs = eval_py.main(["--engine=" + engine, "--task=short.jsonl", "--temperature=0", "--plots=False",
+        runs = eval_py.main(["--runner=" + engine, "--task=short.jsonl", "--temperature=0", "--plots=False",
                              f"--out=eval-{engine}"])
         out[engine].append([r["avg_depth"] for r in runs])
     assert out["slots"] == out["eager"]

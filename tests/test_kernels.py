@@ -194,7 +194,7 @@ def test_reading_the_page_table_in_place_equals_the_reference(R, Hq, Hkv, D, max
 
 def test_the_slot_engine_gives_the_same_tokens_with_the_triton_kernel():
     from conftest import clone, prompt, varied_model
-    from request import Request
+    from engine.request import Request
     from serve_depthbatch import Engine
     model = varied_model().float()
     reqs = [Request(prompt(9), 8, "ete_ragged", 0.4, keep_logits=True), Request(prompt(5), 6, "dense_ragged", 0.3,
@@ -222,7 +222,7 @@ def test_auto_is_torch_on_the_cpu_and_bad_impls_are_refused():
 
 @pytest.mark.parametrize("attn", ["triton", "flex", "auto"])
 def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
-    from request import Request
+    from engine.request import Request
     from serve_depthbatch import Engine
     from conftest import prompt, varied_model
     model = varied_model().float()
@@ -238,7 +238,7 @@ def test_the_engine_gives_the_same_tokens_with_every_attention(attn):
 
 def test_the_core_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "import kernels, model, ragged, serve_depthbatch, slot_engine, server, checkpoint, tokenizer\n"
+            "import kernels, model, ragged, serve_depthbatch, engine.slots, server, checkpoint, tokenizer\n"
             "import sample, train\nfrom lab import bench\n"
             "assert kernels.triton is None and kernels.resolve_impl('auto', 'cpu') == 'torch'\n"
             "try:\n    kernels.resolve_impl('triton', 'cpu')\nexcept ValueError as e:\n    print(e)\n")

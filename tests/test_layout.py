@@ -8,22 +8,27 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "scheduler", "request", "rows", "checkpoint",
-           "tokenizer", "configurator", "server", "objectives", "metrics", "slot_engine", "slot_pass", "lab.tasks",
-           "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "tokenizer", "configurator",
+           "server", "objectives", "metrics",
+           "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
+           "engine.slots", "engine.slot_pass", "engine.graphs",
+           "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
+           "lab.ouro_code",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
-           "lab.bench_engine", "lab.reproduce", "lab.export_ouro"}
+           "lab.bench_engine", "lab.reproduce", "lab.export_ouro", "lab.ladder"}
 MAX_ROOT = 20                             # .py files at the root: the paper's files and what they import
 WIDE, MAX_WIDE_SHARE = 100, 0.05          # columns; the share of the project's lines past them (nanoGPT's: 3-6%)
+PACKAGES = ("lab.", "engine.")            # the folders of modules: the lab, and the engine's fast path
 
 
 def source_files():
     """{module name: its file}: the root's modules and scripts, the lab's (lab.X), and the tests
     (tests/, test_ragged.py)."""
     out = {}
-    for folder, prefix in ((HERE, ""), (os.path.join(HERE, "tests"), ""), (os.path.join(HERE, "lab"), "lab.")):
+    for folder, prefix in ((HERE, ""), (os.path.join(HERE, "tests"), ""), (os.path.join(HERE, "lab"), "lab."),
+                           (os.path.join(HERE, "engine"), "engine.")):
         out.update({prefix + f[:-3]: os.path.join(folder, f) for f in os.listdir(folder)
                     if f.endswith(".py") and f != "__init__.py"})
     return out
@@ -35,16 +40,17 @@ def modules():
 
 def imports_of(name):
     """Project modules that `name` imports anywhere in its source (top level or inside a function);
-    `from lab import x` and `from lab.x import y` are lab.x."""
+    `from lab import x` and `from lab.x import y` are lab.x (and so for engine/)."""
     tree = ast.parse(open(source_files()[name], encoding="utf-8").read())
     mine, out = set(modules()), set()
+    packaged = lambda m: m if m.startswith(PACKAGES) else m.split(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name if a.name.startswith("lab.") else a.name.split(".")[0] for a in node.names} & mine
-        elif isinstance(node, ast.ImportFrom) and node.module == "lab":
-            out |= {"lab." + a.name for a in node.names} & mine
+            out |= {packaged(a.name) for a in node.names} & mine
+        elif isinstance(node, ast.ImportFrom) and node.module in ("lab", "engine"):
+            out |= {f"{node.module}.{a.name}" for a in node.names} & mine
         elif isinstance(node, ast.ImportFrom) and node.module:
-            out |= {node.module if node.module.startswith("lab.") else node.module.split(".")[0]} & mine
+            out |= {packaged(node.module)} & mine
     return out
 
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import random_model
 from model import exit_cdf, exit_now, exit_pdf, generate, sample_exit, threshold_exit
-from request import keyed_uniform, sample_set, sample_token, sample_tokens, seed_bits
+from engine.request import keyed_uniform, sample_set, sample_token, sample_tokens, seed_bits
 
 
 def brute_pdf(lam):

@@ -15,7 +15,7 @@ from checkpoint import export_ouro, load_checkpoint
 from configurator import UserError
 from conftest import CFG, make_tokenizer, ouro_tensors, write_folder
 from model import GPTConfig, LoopedLM, forward_ragged
-from request import Request
+from engine.request import Request
 from serve_depthbatch import Engine
 
 def reference_ouro(t, cfg, ids):

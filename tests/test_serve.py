@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import rows
+from engine import rows
 from configurator import UserError
 from conftest import U, alone, assert_same, drive, engine, oracle_taus, prompt, varied_model
 from model import attention, forward_ragged, generate
-from request import Request
+from engine.request import Request
 from modes import MODES
 from serve_depthbatch import Engine
 
@@ -162,7 +162,7 @@ def test_a_fixed_batch_that_starts_together_reads_its_pages_in_place(monkeypatch
     (kernels.grid_of) and reads them without a gather, the prompt pass as one chunk call of all B
     prompts, and every request still equals the dense lanes, logits included."""
     import kernels
-    import rows
+    from engine import rows
     model, B = varied_model(), random.randint(2, 5)
     n, m = random.randint(3, 8), random.randint(3, 7)
     reqs = [Request(prompt(n), m, "fixed", keep_logits=True) for _ in range(B)]
@@ -344,7 +344,7 @@ def test_the_shared_head_calls_less_and_changes_nothing(scheduler):
         assert es.stats["head_calls"] < ea.stats["head_calls"]
     else:                              # every row exits at depth U: they share already
         assert es.stats["head_calls"] <= ea.stats["head_calls"]
-    assert es.pool.used == 0 and not es.runner.pending
+    assert es.pool.used == 0 and (es.runner.shared is None or not es.runner.shared.waiting())
 
 
 @pytest.mark.parametrize("w_head", [0.0, 1e6, float("inf")])
@@ -353,28 +353,28 @@ def test_the_shared_head_waits_only_while_waiting_is_cheap(w_head):
     more than MAX_WAIT passes, and rows wait only if the cost model says a call is dearer than their
     idle slots; with no queue, no row waits more than U passes, none where a call costs less than a
     pass, and none of a request that one more pass of waiting would make the last to finish."""
-    import serve_depthbatch
+    from engine.shared_head import MAX_WAIT
     model = varied_model()
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     e = Engine(model, 3000, max_batch=3, head="shared")
-    h = e.runner                                 # the eager runner: the shared head is its
+    h = e.runner.shared                          # the eager runner's shared head
     h.w_head = w_head
-    real, deferred = h._head_rows, []
+    real, deferred = h.choose, []
 
-    def checked(groups, exited):
-        out = real(groups, exited)
-        waiting = h.pending.rows
-        assert all(w < (serve_depthbatch.MAX_WAIT if e.scheduler.waiting else e.U) for _, _, _, w in waiting)
+    def checked(exited, others, running, queued):
+        out = real(exited, others, running, queued)
+        waiting = h.rows
+        assert all(w < (MAX_WAIT if e.scheduler.waiting else e.U) for _, _, _, w in waiting)
         if waiting and e.scheduler.waiting:
             assert len(waiting) * h.w_block < h.w_head * e.scheduler.max_batch
         elif waiting:      # only where a call costs more than a pass, never the request that ends the batch
-            end = max(h._passes_expected(s) for s in e.scheduler.running)
-            assert h.w_head >= h.w_block and all(h._passes_expected(s) + w + 1 <= end for s, _, _, w in waiting)
+            end = max(h.passes_expected(s) for s in e.scheduler.running)
+            assert h.w_head >= h.w_block and all(h.passes_expected(s) + w + 1 <= end for s, _, _, w in waiting)
         deferred.append(len(waiting))
         return out
-    h._head_rows = checked
+    h.choose = checked
     reqs = e.run([Request(prompt(rng.randint(3, 10)), rng.randint(4, 12), "ete_ragged", 0.4) for _ in range(8)])
-    assert all(r.finish_reason == "length" for r in reqs) and e.pool.used == 0 and not h.pending
+    assert all(r.finish_reason == "length" for r in reqs) and e.pool.used == 0 and not h.waiting()
     if w_head == 0.0:
         assert e.stats["head_calls"] > 0
     if w_head == float("inf"):

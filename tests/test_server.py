@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import CFG, alone, make_tokenizer, ouro_tensors, write_folder
-from request import Request
+from engine.request import Request
 from serve_depthbatch import Engine
 from server import Choices, serve
 from prepare_data import SYNTH_CHARS

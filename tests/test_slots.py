@@ -12,16 +12,16 @@ import urllib.request
 import pytest
 import torch
 
-import slot_engine
+from engine import slots as slot_engine
 from configurator import UserError
 from conftest import U, clone, drive, prompt, varied_model
-from model import GPTConfig, LoopedLM
+from model import GPTConfig, LoopedLM, fuse_projections
 from ragged import PagePool
-from request import Request
+from engine.request import Request
 from serve_depthbatch import Engine
 from serve_depthbatch import EagerRunner, engine_for
-from slot_engine import SlotRunner
-from slot_pass import SAMPLING, Slots, bucket, run_pass, sampling_kind
+from engine.slots import SlotRunner
+from engine.slot_pass import SAMPLING, Slots, bucket, run_pass, sampling_kind
 
 
 def mixed_requests(rng, n, fixed_depth=None):
@@ -152,7 +152,7 @@ def test_one_pass_reads_nothing_on_the_host():
     a .tolist(), a boolean-mask index or a branch on data would raise."""
     cfg = GPTConfig(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=40)
     model = LoopedLM(cfg).to("meta").eval()
-    pool = PagePool.for_model(model, 64, scratch=True)
+    pool = PagePool.for_model(model, 64)
     st = Slots(model, pool, n_rows=8, n_reqs=3, n_keys=cfg.block_size, log_len=4, keep_logits=True)
     with torch.inference_mode():
         for sampling in SAMPLING:
@@ -204,14 +204,14 @@ def every_mode_requests(rng, n):
 
 
 def test_stacked_projections_equal_the_separate_ones(monkeypatch):
-    """Four GEMMs a layer (q/k/v and gate/up stacked: LoopedLM.fuse_projections, which the slot engine
+    """Four GEMMs a layer (q/k/v and gate/up stacked: model.fuse_projections, which the slot runner
     calls) against seven, float64: the dense forward's logits and exits, and each engine's tokens,
     exits, logits and pages in every mode; the checkpoint's tensors and names stay as they were."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     model = varied_model()
     keys = {k: v.clone() for k, v in model.state_dict().items()}
     apart = random_model_like(model)
-    model.fuse_projections()
+    fuse_projections(model)
     assert model.state_dict().keys() == keys.keys()
     assert all(torch.equal(v, keys[k]) for k, v in model.state_dict().items())
     ids = torch.tensor([prompt(20)])
@@ -225,7 +225,7 @@ def test_stacked_projections_equal_the_separate_ones(monkeypatch):
     fused = [drive(Engine(model, 4000, max_batch=3, max_rows=24), [clone(r) for r in reqs]),
              drive(Engine(model, 4000, runner="slots", max_batch=3, max_rows=24, keep_logits=True),
                    [clone(r) for r in graph_ready])]
-    monkeypatch.setattr(LoopedLM, "fuse_projections", lambda self: self)
+    monkeypatch.setattr(slot_engine, "fuse_projections", lambda model: model)
     separate = [drive(Engine(apart, 4000, max_batch=3, max_rows=24), [clone(r) for r in reqs]),
                 drive(Engine(apart, 4000, runner="slots", max_batch=3, max_rows=24, keep_logits=True),
                       [clone(r) for r in graph_ready])]
@@ -314,12 +314,12 @@ def test_buckets_and_what_the_slot_runner_leaves_to_the_eager_one():
     assert [bucket(n, 48) for n in (1, 2, 3, 5, 8, 9, 33, 48)] == [2, 2, 4, 8, 8, 16, 48, 48]
     model = varied_model(1)
     assert type(engine_for(model, 500).runner) is EagerRunner                 # the CPU: the eager runner
-    assert type(engine_for(model, 500, engine="slots").runner) is SlotRunner
-    assert not engine_for(model, 500, engine="slots").runner.overlap   # a CPU: nothing to overlap, logs read at once
+    assert type(engine_for(model, 500, runner="slots").runner) is SlotRunner
+    assert not engine_for(model, 500, runner="slots").runner.overlap   # a CPU: nothing to overlap, logs read at once
     with pytest.raises(UserError, match="nested"):
         Engine(model, 500, runner="slots", scheduler="nested")
     with pytest.raises(UserError, match="shares it"):
-        engine_for(model, 500, head="shared", engine="slots")
+        engine_for(model, 500, head="shared", runner="slots")
     s = Engine(model, 500, runner="slots")
     for bad, field in [(dict(mode="last_kv"), "mode"), (dict(stop=tuple(range(9))), "stop"),
                        (dict(keep_logits=True), "keep_logits")]:
@@ -343,7 +343,7 @@ def test_the_compiled_phases_give_the_same_tokens():
 
 
 def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_in_graphs, capsys):
-    """sample.py, lab/eval.py and server.py build the graph engine (--engine=slots) on a checkpoint that
+    """sample.py, lab/eval.py and server.py build the graph engine (--runner=slots) on a checkpoint that
     load_checkpoint returns as users get it (its parameters require grad), and on an Ouro folder
     exported from it, with only the CUDA graph API stood in (conftest.StandInGraphs): the passes
     compile whole (Inductor), every graph is captured in inference mode, the replays run, and each
@@ -369,7 +369,7 @@ def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_
     args = ["--prompt=abc = d;", "--max_new_tokens=6", "--temperature=0", "--thr=0.5", "--json", "--device=cpu"]
 
     def sample_tokens(folder, engine):
-        sample.main(["--ckpt", folder, f"--engine={engine}"] + args)
+        sample.main(["--ckpt", folder, f"--runner={engine}"] + args)
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"][0]["text"]
     for folder in (str(ckpt), ouro):
         before = stand_in_graphs.captures
@@ -381,12 +381,12 @@ def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_
     scores = []
     for engine in ("slots", "eager"):
         eval_script.main(["--ckpt", str(ckpt), f"--task={items}", "--modes=ete_ragged@0.5", "--temperature=0",
-                          "--shots=0", "--max_tokens=4", "--plots=False", f"--engine={engine}",
+                          "--shots=0", "--max_tokens=4", "--plots=False", f"--runner={engine}",
                           f"--out={tmp_path / engine}"])
         scores.append([(r["completions"], r["prompt_exits"], r["decode_exits"])
                        for r in map(json.loads, open(tmp_path / engine / "records.jsonl"))])
     assert scores[0] == scores[1]
-    httpd, srv = server.start(["--ckpt", str(ckpt), "--engine=slots", "--port=0", "--max_batch=2", "--max_rows=16"])
+    httpd, srv = server.start(["--ckpt", str(ckpt), "--runner=slots", "--port=0", "--max_batch=2", "--max_rows=16"])
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         body = json.dumps({"model": "run", "prompt": "abc = d;", "max_tokens": 6, "temperature": 0, "thr": 0.5,

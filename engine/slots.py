@@ -1,6 +1,7 @@
 """
-The slot runner: the engine's pass on the device (slot_pass.run_pass), driven by the one host,
-serve_depthbatch.Engine, through the runner's contract; its graphs and its pages taken ahead.
+The slot runner: the engine's pass on the device (engine/slot_pass.py), driven by the one host,
+serve_depthbatch.Engine, through the runner contract (engine/contract.py); its graphs and its pages
+taken ahead.
 
 The eager runner (serve_depthbatch.EagerRunner) is the reference: Python groups of rows, a page
 table per request on the host, decisions taken row by row. On a GPU that costs more than the work
@@ -8,35 +9,38 @@ itself: every pass reads values back to the host (which rows exited, which token
 launches about fifty small kernels a layer, so the GPU waits on the host. The slot runner gives the
 same results (the same tokens, exits of every position and pages; test_slots.py checks it in
 float64, against the eager runner and against each request alone) and keeps its rows on the
-device, in slot_pass.Slots:
+device, in engine/slot_pass.py's Slots:
 
   * one row slot per row. A decode row whose exit samples a token restarts in place at depth 1 with
     that token on the next pass, so the rows change only when requests come and go;
   * the page tables live on the device: the runner takes the pages of every depth of a position
-    before it runs (reserve), and hands back those past its exit when the log says where it was;
+    before it runs (reserve; the host makes room first), and those past its exit go back when the
+    log says where it was (RaggedSeq.stop);
   * the pass writes what it decided to a ring of log entries; each step launches a few passes and
     reads the log of the step before, while its own passes run, so that the device does not wait
     for the host's reading, admitting or deciding: a request admitted, a prompt chunk started,
     joins the passes of the next step.
 
-On CUDA the pass is compiled whole (slot_pass.compiled_pass) and every bucket of rows (2, 4, 8, ...)
+On CUDA the pass is compiled whole (engine/graphs.py) and every bucket of rows (2, 4, 8, ...)
 is captured as a CUDA graph when the engine starts, for each kind of pass (with and without the LM
 head, each draw), then replayed; the host's writes between replays travel in one copy
-(slot_pass.Upload), the log and the rows' state back in one (slot_pass.Download). What the pass does
+(Upload), the log and the rows' state back in one (Download). What the pass does
 not cover is the eager runner's: the nested scheduler, the shared LM head, the Table 17 caches.
 
-Read top to bottom: the runner and its contract (what it refuses, the rows the host starts, pages);
-what it decides between passes; the passes and their log; endings and checks.
+Read top to bottom: how many passes a request may still need; the runner and its contract (what it
+refuses, the rows the host starts, the pages its passes take); what it decides between passes; the
+passes and their log; endings and checks.
 """
 import torch
 
 from configurator import UserError
 from kernels import splits_for
+from model import fuse_projections
 from modes import MODES, decode_rule, keeps_one_depth, n_run, position_rules
-from request import seed_bits
-from rows import Log, Said
-from slot_pass import (LOG, ROWS, SAMPLING, Download, Graphs, Slots, Upload, bucket, can_capture,
-                       compiled_pass, run_pass, sampling_kind)
+from engine.contract import Log, Runner, Said
+from engine.graphs import Graphs, can_capture, compiled_pass
+from engine.request import seed_bits
+from engine.slot_pass import LOG, ROWS, SAMPLING, Download, Slots, Upload, bucket, run_pass, sampling_kind
 
 
 # --------------------------------------------------------------------- passes a request still needs
@@ -57,21 +61,21 @@ def surely_done(s, pending, U):
     return s.ending or len(s.req.tokens) + pending // per_token(s.req, U)[0] >= s.req.max_tokens
 
 
-def passes_sure(s, pending, U):
+def passes_sure(s, host_end, pending, U):
     """The passes in which s surely still runs a row, after `pending` passes not read yet: a request
     with tokens to come always has a row running, its current token takes at least one more pass and
-    each later one at least its fewest; a prompt or replay still to run: one (its next chunk
-    waits)."""
-    if s.done < s.host_end:
+    each later one at least its fewest; a prompt or replay still to run (before host_end, where the
+    device takes over): one (its next chunk waits)."""
+    if s.done < host_end:
         return 1 - pending
     return (s.req.max_tokens - len(s.req.tokens) - 1) * per_token(s.req, U)[0] + 1 - pending
 
 
-def passes_left(s, pending, U):
+def passes_left(s, host_end, pending, U):
     """The most passes s may still run after `pending` passes not read yet: its tokens to come, each
     at most all its depths (exactly that in a fixed wave), less the passes already run; a prompt or
     replay still to run: one pass at a time."""
-    if s.done < s.host_end:
+    if s.done < host_end:
         return 1
     return max((s.req.max_tokens - len(s.req.tokens)) * per_token(s.req, U)[1] - pending, 0)
 
@@ -89,66 +93,69 @@ class Ticket:
 
 # ----------------------------------------------------------------------------- the runner
 
-class SlotRunner:
-    """serve_depthbatch.Engine's runner on the device, over Slots and run_pass. A step launches up
-    to `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a
-    prompt has chunks to start) and, with overlap, reads the log of the step before while they run
+class SlotRunner(Runner):
+    """The engine's runner on the device, over Slots and run_pass. A step launches up to
+    `sync_every` passes (`due_every` while the host has a decision due: requests wait, or a prompt
+    has chunks to start) and, with overlap, reads the log of the step before while they run
     (overlap=False: its own, at once, the eager runner's order of passes exactly). graphs: capture
     every bucket as a CUDA graph when the engine starts, for each kind of pass and each of the
-    `sampling` draws (slot_pass.SAMPLING; a draw left out is captured on its first use); fuse:
-    compile the pass whole (compiled_pass); "auto": all three where slot_pass can capture graphs
-    (CUDA). On a CPU the passes run in the host's own thread: nothing overlaps, and a late read
-    would only leave the host an older copy of the rows (larger buckets). The model is frozen and
-    its projections stacked (four GEMMs a layer: LoopedLM.fuse_projections)."""
+    `sampling` draws (SAMPLING; a draw left out is captured on its first use); fuse: compile the
+    pass whole (engine/graphs.py); "auto": all three where graphs can be captured (CUDA). On a CPU
+    the passes run in the host's own thread: nothing overlaps, and a late read would only leave the
+    host an older copy of the rows (larger buckets). The model is frozen and its projections
+    stacked (four GEMMs a layer: model.fuse_projections)."""
 
-    def __init__(self, engine, attn, head, sync_every=8, due_every=2, graphs="auto", fuse="auto",
+    def __init__(self, model, pool, stats, attn="torch", head="eager", scheduler="continuous",
+                 max_batch=32, max_rows=256, sync_every=8, due_every=2, graphs="auto", fuse="auto",
                  overlap="auto", keep_logits=False, n_stop=8, sampling=SAMPLING):
-        if engine.scheduler.kind == "nested":
-            raise UserError("--scheduler=nested: a wave is a host loop; it runs on --engine=eager",
+        if scheduler == "nested":
+            raise UserError("--scheduler=nested: a wave is a host loop; it runs on --runner=eager",
                             "scheduler")
         if attn == "flex":
             raise UserError("--attn=flex builds its mask on the host; the slot "
                             "runner reads torch or triton", "attn")
         if head != "eager":
             raise UserError(f"--head={head}: the slot runner runs the LM head on every pass "
-                            "(--engine=eager shares it)", "head")
-        self.e, self.U, self.device, self.attn = engine, engine.U, engine.device, attn
-        self.depths = torch.arange(self.U)[None, :]
+                            "(--runner=eager shares it)", "head")
         # frozen: no parameter that requires grad reaches a compiled pass (autograd would trace a
         # joint graph, and the survive update of Eq. 4 in place would fail it)
-        self.model = engine.model.requires_grad_(False).fuse_projections()
+        super().__init__(fuse_projections(model.requires_grad_(False)), pool, stats)
+        self.attn, self.fixed = attn, scheduler == "fixed"
+        self.depths = torch.arange(self.U)[None, :]
         self.sync_every, self.due_every = sync_every, due_every
         # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits
         # for their log
-        R, S, n_keys = engine.scheduler.max_rows + 2 * engine.scheduler.max_batch, 2 * engine.scheduler.max_batch, \
-            self.model.config.block_size
-        self.slots = Slots(self.model, engine.pool, R, S, n_keys, max(sync_every, self.U), n_stop,
+        R, S, n_keys = max_rows + 2 * max_batch, 2 * max_batch, self.model.config.block_size
+        self.slots = Slots(self.model, pool, R, S, n_keys, max(sync_every, self.U), n_stop,
                            keep_logits)
-        self.n_splits = lambda R: splits_for(R * self.model.config.n_kv_head, n_keys, 32) if attn == "triton" else 1
+        self.n_splits = (lambda R: splits_for(R * self.model.config.n_kv_head, n_keys, 32)
+                         if attn == "triton" else 1)
         capture = can_capture(self.device)
         self.graphs = Graphs(self.slots.buffers) if (capture if graphs == "auto" else graphs) else None
         self.fuse = capture if fuse == "auto" else fuse
         self.overlap = capture if overlap == "auto" else overlap
         self.upload, self.download = Upload(self.device), Download(self.device)
+        # what it keeps of each request: its request slot, the positions the host starts (later
+        # ones restart on the device), the last position whose pages are taken
+        self.slot_of, self.host_end, self.reserved = {}, {}, {}
         self.by_slot, self.free_slots, self.freed = [None] * S, list(range(S - 1, -1, -1)), []
         # the host's copy of the rows, as of the last log read and its own writes since: which are
-        # live (running or holding a token), of which request slot, how many run; and what it will
-        # write
+        # live (running or holding a token), of which request slot, how many run
         self.live = torch.zeros(self.slots.R, dtype=torch.bool)
         self.row_req = torch.full((self.slots.R,), S, dtype=torch.long)
         self.slots_active, self.R_now, self.restarted = 0, 2, set()
-        # the host's writes of this step
-        self._admits, self._rows, self._pages, self._perm = [], [], [], None
+        # the host's writes of this step, the chunks whose pages it takes at the run, the plan
+        self._admits, self._rows, self._pages, self._perm, self._chunks = [], [], [], None, []
+        self._waves, self._due, self._n_ahead = [], False, 0
         self.ticket, self.passes_run = None, 0
         # launched: passes, idle ones too (passes with rows: the host's count); waits: log reads
         # that waited for the device; drained: passes whose log was read with no pass launched
         # behind them (the device then waits for the host)
-        engine.stats.update(launched=0, waits=0, drained=0)
+        stats.update(launched=0, waits=0, drained=0)
         # every kind of pass it runs, now: serving never stalls on a first use
         if self.graphs is not None:
             buckets = sorted({bucket(n, R) for n in range(1, R + 1)})
-            # a wave: both
-            heads = (True,) if engine.scheduler.kind != "fixed" or self.U == 1 else (False, True)
+            heads = (True,) if not self.fixed or self.U == 1 else (False, True)   # a wave: both
             self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads
                                      for k in sampling], self._pass)
 
@@ -159,10 +166,10 @@ class SlotRunner:
         logits kept without keep_logits (UserError, nothing queued)."""
         st = self.slots
         if keeps_one_depth(r):
-            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager engine "
-                            "(--engine=eager)", "mode")
+            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager runner "
+                            "(--runner=eager)", "mode")
         if len(r.stop) > st.stop_ids.shape[1]:
-            raise UserError(f"stop: {len(r.stop)} stop ids; this engine takes at most "
+            raise UserError(f"stop: {len(r.stop)} stop ids; this runner takes at most "
                             f"{st.stop_ids.shape[1]}", "stop")
         if r.keep_logits and st.logits is None:
             raise UserError("keep_logits: build the engine with keep_logits=True", "keep_logits")
@@ -173,84 +180,93 @@ class SlotRunner:
         requests after it, as the eager runner's decode chunk would."""
         if s in self.restarted:
             return "started"
-        return None if s.rows or s.done >= s.host_end else "chunk"
+        return None if s.rows or s.done >= self.host_end.get(s, s.runnable()) else "chunk"
 
-    def budget(self):
+    def budget(self, running):
         """Rows running (those restarted in the last pass read count at their request: ready), and
         the free pages (a position's pages are all taken before it runs)."""
-        self.restarted &= set(self.e.scheduler.running)
-        return self.slots_active - len(self.restarted), len(self.e.pool.free)
+        self.restarted &= set(running)
+        return self.slots_active - len(self.restarted), len(self.pool.free)
 
-    def wave(self):
+    def wave(self, running):
         """The depth of the fixed wave under way (that of the request of any live row), if any."""
-        if self.e.scheduler.kind != "fixed" or not self.live.any():
+        if not self.fixed or not self.live.any():
             return None
         return n_run(self.by_slot[int(self.row_req[self.live][0])].req, self.U)
 
-    def admit(self, s):
-        """A request slot for s, filled with what its decode rows need on the device."""
-        r, st = s.req, self.slots
-        s.slot = self.free_slots.pop()
-        self.by_slot[s.slot] = s
-        s.host_end = s.runnable()
-        tau, full = decode_rule(r)
-        stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
-        self._admits.append((s.slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens,
-                                          dec_n_run=n_run(r, self.U), horizon=-1, stop_ids=stop,
-                                          dec_tau=tau, dec_full=full, ended=s.ending,
-                                          seed=seed_bits(r.seed), top_k=r.top_k,
-                                          temperature=r.temperature, top_p=r.top_p)))
-
     def start(self, s, end):
-        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits), with
-        the pages of every depth they may run; the last position of the context samples the next
-        token. False if taking the pages preempted s itself."""
+        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits); the
+        last position of the context samples the next token. The pages of every depth they may run
+        are taken at the run (a request admitted now gets a request slot first)."""
+        if s not in self.slot_of:
+            self._admit(s)
         r, start, m = s.req, s.done, n_run(s.req, self.U)
-        if not self._reserve(s, start, end - 1):
-            return False
         taus, full, forced, _ = position_rules(r, start, end)
         ctx = r.prompt + r.tokens
         free_rows = (~self.live).nonzero()[:, 0]
         assert len(free_rows) >= end - start, "more rows in flight than row slots"
-        idx = free_rows[:end - start]
+        idx, slot = free_rows[:end - start], self.slot_of[s]
         self._rows.append((idx, dict(tok=ctx[start:end], pos=list(range(start, end)), depth=0,
-                                     req=s.slot, n_run=m, forced=forced, exit=0, pend=-1, tau=taus,
+                                     req=slot, n_run=m, forced=forced, exit=0, pend=-1, tau=taus,
                                      full=full, active=True,
                                      sample=[p == len(ctx) - 1 for p in range(start, end)],
                                      fresh=True, hold=False)))
-        self.live[idx], self.row_req[idx] = True, s.slot
+        self._chunks.append((s, start, end - 1))
+        self.live[idx], self.row_req[idx] = True, slot
         self.slots_active += end - start
         if self.ticket is not None:
-            self.ticket.since.append(("start", idx, s.slot))
-        self.e.stats["replayed_rows"] += sum(1 for f in forced if f)
-        return True
+            self.ticket.since.append(("start", idx, slot))
+        self.stats["replayed_rows"] += sum(1 for f in forced if f)
 
-    def idle(self):
-        return not self.live.any()
+    def _admit(self, s):
+        """A request slot for s, filled with what its decode rows need on the device."""
+        r, st = s.req, self.slots
+        slot = self.slot_of[s] = self.free_slots.pop()
+        self.by_slot[slot], self.host_end[s], self.reserved[s] = s, s.runnable(), -1
+        tau, full = decode_rule(r)
+        stop = list(r.stop) + [-1] * (st.stop_ids.shape[1] - len(r.stop))
+        self._admits.append((slot, dict(ntok=len(r.tokens), max_tok=r.max_tokens,
+                                        dec_n_run=n_run(r, self.U), horizon=-1, stop_ids=stop,
+                                        dec_tau=tau, dec_full=full, ended=s.ending,
+                                        seed=seed_bits(r.seed), top_k=r.top_k,
+                                        temperature=r.temperature, top_p=r.top_p)))
 
-    def hand_back(self, s, pos, depth):
-        """The pages taken ahead for depths past each stopped row's exit go back to the pool: never
-        computed (then Eq. 11 aliases those entries)."""
-        seq = s.seq
-        deeper = self.depths > depth[:, None]
-        pages = seq.table[pos][seq.real[pos] & deeper].tolist()
-        seq.pool.release(pages, seq)
-        seq.real[pos] &= ~deeper
-        seq.block_evals -= len(pages)
+    def plan(self, running, queued):
+        """The passes the next run launches (_passes), and the pages they take, by request: every
+        depth of the chunks started this step, and of every position a decode row may reach in the
+        coming passes (a row starts at most one position a pass)."""
+        self._waves, self._due = self._passes(running, queued)
+        pending = len(self.ticket.launched) if self.ticket is not None else 0
+        self._n_ahead = pending + sum(len(w) for w in self._waves)
+        need = {}
+        for s, first, last in self._chunks:
+            need[s] = need.get(s, 0) + (last - first + 1) * n_run(s.req, self.U)
+        if self._waves:
+            for s in running:
+                first, last = self._ahead(s)
+                need[s] = need.get(s, 0) + max(last - first + 1, 0) * n_run(s.req, self.U)
+        return need
+
+    def _ahead(self, s):
+        """The positions of s whose pages the planned passes may need and are not taken yet (first >
+        last: none): none while the host still starts its chunks or once its last token is
+        sampled."""
+        if s.ending or s.started < self.host_end[s]:
+            return 0, -1
+        taken = max([self.reserved[s]] + [last for c, _, last in self._chunks if c is s])
+        return taken + 1, min(s.started - 1 + self._n_ahead, s.last_position())
 
     def drop(self, s):
-        """s ends or is preempted: the pages taken ahead for positions that never ran go back, its
-        rows go idle on the device (the padding request) and its table points at the scratch page.
-        While passes it ran in are unread, its slot waits for their log before another request takes
-        it."""
-        seq, start = s.seq, min(s.started, s.seq.n)
-        ahead = seq.real[start:seq.n]
-        seq.pool.release(seq.table[start:seq.n][ahead].tolist(), seq)
-        seq.block_evals -= int(ahead.sum())
-        seq.table[start:seq.n], seq.real[start:seq.n], seq.n = -1, False, start
-        if s.slot is None:
+        """s ends or is preempted: its rows go idle on the device (the padding request) and its
+        table points at the scratch page. While passes it ran in are unread, its slot waits for
+        their log before another request takes it."""
+        self._chunks = [c for c in self._chunks if c[0] is not s]
+        i = self.slot_of.pop(s, None)
+        self.host_end.pop(s, None)
+        self.reserved.pop(s, None)
+        if i is None:
             return
-        st, i = self.slots, s.slot
+        st = self.slots
         mine = st.req == i
         st.active.logical_and_(~mine)
         st.hold.logical_and_(~mine)
@@ -265,32 +281,28 @@ class SlotRunner:
         self._pages = [p for p in self._pages if p[0] != i]
         self._rows = [(idx, f) for idx, f in self._rows if f["req"] != i]
         self._admits = [a for a in self._admits if a[0] != i]
-        self.by_slot[i], s.slot = None, None
+        self.by_slot[i] = None
         if self.ticket is not None:
             self.ticket.since.append(("free", i))
             self.freed.append(i)
         else:
             self.free_slots.append(i)
 
+    def idle(self, running):
+        return not self.live.any()
+
     def busy(self):
         return self.ticket is not None
 
-    def flush(self):
-        """The log of the passes not read yet, now (Engine.check reads it before it checks)."""
-        if self.ticket is None:
-            return []
-        ticket, self.ticket = self.ticket, None
-        return self._read(ticket, drained=True)
-
     # ------------------------------------------------------------------ a step
 
-    def run(self):
-        """A step of depth batching on the device (App. A.2): reserve the pages the coming passes
-        may write, choose the bucket, send the host's writes, launch the passes, and read the log of
-        the passes launched before them (overlap: while these run). Returns the Logs of the passes
-        read."""
-        waves = self._plan()
-        ticket = self._launch(waves) if waves else None
+    def run(self, running, queued):
+        """A step of depth batching on the device (App. A.2): take the pages the planned passes may
+        write (the host has made room), choose the bucket, send the host's writes, launch the passes,
+        and read the log of the passes launched before them (overlap: while these run). Returns the
+        Logs of the passes read."""
+        waves = self._prepare(running, queued)
+        ticket = self._launch(waves, running) if waves else None
         logs = []
         if self.ticket is not None:
             # the previous passes, while these run
@@ -301,79 +313,75 @@ class SlotRunner:
             self.ticket = None
         return logs
 
-    def _plan(self):
+    def _passes(self, running, queued):
         """The passes to launch, as waves: tuples of head flags (a fixed wave: the head on its last
         pass only; otherwise one pass, the head on). As many as surely have a row in them, at most
         sync_every (due_every while the host has a decision due); none when every request may have
-        ended in the passes not read yet (their log first)."""
+        ended in the passes not read yet (their log first). Returns (waves, due)."""
         pending = len(self.ticket.launched) if self.ticket is not None else 0
-        running = self.e.scheduler.running
         if not self.live.any() or (pending and all(surely_done(s, pending, self.U) for s in running)):
-            return []
-        due = bool(self.e.scheduler.waiting) or any(s.done < s.host_end for s in running)
+            return [], False
+        due = queued or any(s.done < self.host_end[s] for s in running)
         most = 1 if due and not self.overlap else self.due_every if due else None
-        # every live row starts a wave at depth 1, all of one depth
-        if self.e.scheduler.kind == "fixed":
-            m = self.wave()
+        if self.fixed:                         # every live row starts a wave at depth 1, all of one depth
+            m = self.wave(running)
             # exact: a wave runs a whole token
-            left = max(passes_left(s, pending, self.U) for s in running)
-            waves = [(False,) * (m - 1) + (True,)] * max(1, min(self.slots.log_len, left, most
-                                                                or left) // m)
-        else:
-            # no pass without a row in it: a chunk started now surely runs in the next
-            fresh = {f["req"] for _, f in self._rows}
-            sure = max(1 if s.slot in fresh else passes_sure(s, pending, self.U) for s in running)
-            if pending and sure <= 0:
-                return []
-            waves = [(True,)] * max(1, min(self.sync_every, sure, most or sure))
-        self._reserve_ahead(pending + sum(len(w) for w in waves))
-        # a preemption left a request waiting: decide again after one wave
-        if self.e.scheduler.waiting:
+            left = max(passes_left(s, self.host_end[s], pending, self.U) for s in running)
+            return [(False,) * (m - 1) + (True,)] * max(1, min(self.slots.log_len, left,
+                                                              most or left) // m), due
+        # no pass without a row in it: a chunk started now surely runs in the next
+        fresh = {f["req"] for _, f in self._rows}
+        sure = max(1 if self.slot_of[s] in fresh else passes_sure(s, self.host_end[s], pending,
+                                                                  self.U) for s in running)
+        if pending and sure <= 0:
+            return [], False
+        return [(True,)] * max(1, min(self.sync_every, sure, most or sure)), due
+
+    def _prepare(self, running, queued):
+        """The pages of this step's chunks and, where passes are planned, of the positions they may
+        reach (oldest request first); a preemption that left a request waiting: one wave, then
+        decide again. Then the bucket, and the host's writes in one copy. Returns the waves."""
+        for s, first, last in self._chunks:
+            self._reserve(s, first, last)
+        self._chunks, waves = [], self._waves
+        if not waves:
+            return []
+        for s in running:
+            first, last = self._ahead(s)
+            self._reserve(s, first, last)
+        if queued:
             waves = waves[:1]
-        self._choose_bucket(due=due)
-        self._flush()
+        self._choose_bucket(due=self._due)
+        self._send_writes()
         return waves if self.live.any() else []
 
-    def _reserve_ahead(self, n_passes):
-        """Pages for every position a decode row may reach in the coming passes (a row starts at
-        most one position a pass), every depth it may run; the oldest requests first. When the pool
-        runs dry the newest request is preempted, as by the eager runner."""
-        for s in list(self.e.scheduler.running):
-            if s not in self.e.scheduler.running or s.ending or s.started < s.host_end:
-                continue
-            self._reserve(s, s.reserved + 1, min(s.started - 1 + n_passes, s.last_position()))
-
     def _reserve(self, s, first, last):
-        """Pages for positions first..last at every depth s may run, in its host table and (at the
-        next flush) in its device table; the device restarts a row only where pages are reserved.
-        When the pool runs dry the newest request is preempted (s itself, perhaps: then False)."""
-        m, sched, pool = n_run(s.req, self.U), self.e.scheduler, self.e.pool
-        while s in sched.running and (last - first + 1) * m > len(pool.free):
-            self.e._evict()
-        if s not in sched.running or last < first:
-            return s in sched.running
+        """Pages for positions first..last at every depth s may run, in its table and (at the next
+        send) in its device table; the device restarts a row only where pages are taken."""
+        if last < first:
+            return
+        m = n_run(s.req, self.U)
         if last + 1 > s.seq.n:
             s.seq.extend(last + 1 - s.seq.n)
         pos = torch.arange(first, last + 1)
-        pages = torch.tensor(pool.alloc(len(pos) * m, s.seq), dtype=torch.long).view(len(pos), m)
+        pages = torch.tensor(self.pool.alloc(len(pos) * m, s.seq), dtype=torch.long).view(len(pos), m)
         s.seq.alloc_depth(pos, slice(0, m), pages)
-        self._pages.append((s.slot, pos, pages))
-        s.reserved = max(s.reserved, last)
-        return True
+        self._pages.append((self.slot_of[s], pos, pages))
+        self.reserved[s] = max(self.reserved[s], last)
 
-    def _flush(self):
+    def _send_writes(self):
         """The host's writes of this step, in one copy (Upload): request slots admitted, new rows,
         reserved pages, horizons, then the compaction's permutation of the rows."""
-        st, up, running = self.slots, self.upload, self.e.scheduler.running
+        st, up = self.slots, self.upload
         # a request slot, or the rows of a chunk
         for at, fields in self._admits + self._rows:
             for name, value in fields.items():
                 up.write(getattr(st, name), at, value)
         for slot, pos, pages in self._pages:
             up.write(st.table, (slot, torch.arange(pages.shape[1])[None, :], pos[:, None]), pages)
-        if running:
-            up.write(st.horizon, torch.tensor([s.slot for s in running]),
-                     [s.reserved for s in running])
+        if self.slot_of:
+            up.write(st.horizon, torch.tensor(list(self.slot_of.values())),
+                     [self.reserved[s] for s in self.slot_of])
         up.send([getattr(st, name) for name in ROWS], self._perm)
         self._admits, self._rows, self._pages, self._perm = [], [], [], None
 
@@ -399,12 +407,12 @@ class SlotRunner:
 
     # ---------------------------------------------------------------- the passes, and what they did
 
-    def _launch(self, waves):
+    def _launch(self, waves, running):
         """The passes on the device (a graph replay each on CUDA, run_pass itself elsewhere), then
         one copy of their log and of the rows' state to the host, started without waiting."""
         R, st = self.R_now, self.slots
-        sampling = sampling_kind(s.req for s in self.e.scheduler.running)
-        longest = max(s.started for s in self.e.scheduler.running) + sum(len(w) for w in waves)
+        sampling = sampling_kind(s.req for s in running)
+        longest = max(s.started for s in running) + sum(len(w) for w in waves)
         if self.ticket is not None:
             longest += len(self.ticket.launched)
         # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under
@@ -418,8 +426,8 @@ class SlotRunner:
             else:
                 run()
             launched.append(R)
-            self.e.stats["head_calls"] += head
-        self.e.stats["launched"] += len(launched)
+            self.stats["head_calls"] += head
+        self.stats["launched"] += len(launched)
         first, self.passes_run = self.passes_run, self.passes_run + len(launched)
         # one copy
         packed = torch.cat([torch.stack(st.log).flatten(), st.active.long(), st.hold.long(), st.req])
@@ -442,8 +450,8 @@ class SlotRunner:
         packed, *logits = ticket.copies
         if ticket.landed is not None:
             ticket.landed.synchronize()
-        self.e.stats["waits"] += 1
-        self.e.stats["drained"] += len(ticket.launched) if drained else 0
+        self.stats["waits"] += 1
+        self.stats["drained"] += len(ticket.launched) if drained else 0
         st, R = self.slots, ticket.launched[0]
         log, rows = packed[:-3 * st.R].view(len(LOG), st.log_len, st.R), packed[-3 * st.R:].view(3, st.R)
         at = (ticket.first + torch.arange(len(ticket.launched))) % st.log_len
@@ -493,21 +501,31 @@ class SlotRunner:
 
     # ------------------------------------------------------------------ checks
 
-    def check(self):
-        """The device's tables against the host's: the same pages, aliases included, and no row of a
-        running request reads the scratch page."""
-        st = self.slots
-        for s in self.e.scheduler.running:
-            host = s.seq.table[:s.seq.n].T                             # [U, n]
-            dev = st.table[s.slot, :, :s.seq.n].cpu()
-            assert torch.equal(torch.where(host >= 0, host, st.scratch), dev), "device and host page tables differ"
+    def check(self, running):
+        """The device's tables against the host's, with the writes not sent yet applied: the same
+        pages, aliases included, or, while passes are unread, the page of a shallower depth of the
+        same position (the device aliased a row that stopped in them: Eq. 11 there first); and no row
+        of a running request reads the scratch page. Reads the device, changes nothing."""
+        st, U = self.slots, self.U
+        for s in running:
+            i, n = self.slot_of[s], s.seq.n
+            host = torch.where(s.seq.table[:n].T >= 0, s.seq.table[:n].T, st.scratch)   # [U, n]
+            dev = st.table[i, :, :n].cpu().clone()
+            for slot, pos, pages in self._pages:
+                if slot == i:
+                    dev[:, pos] = pages.T
+            if self.ticket is None:
+                assert torch.equal(host, dev), "device and host page tables differ"
+                continue
+            shallower = torch.stack([(dev == host[e]) & (torch.arange(U)[:, None] > e)
+                                     for e in range(U)]).any(0)
+            assert ((dev == host) | shallower).all(), "device and host page tables differ"
         act = st.active.cpu()
         for r in act.nonzero()[:, 0].tolist():
             slot, d, p = int(st.req[r]), int(st.depth[r]), int(st.pos[r])
             assert (st.table[slot, d, :p + 1] != st.scratch).all(), "a running row reads the scratch page"
 
-
 if __name__ == "__main__":
     from configurator import library
-    library(__doc__, "serve with `python server.py --ckpt out/ --engine=slots`, benchmark on a GPU "
+    library(__doc__, "serve with `python server.py --ckpt out/ --runner=slots`, benchmark on a GPU "
             "with `python -m lab.bench --what=gpu`")

@@ -1,121 +1,15 @@
 """
-The engine's rows and their paged K/V: a request's live state, its rows in flight, and how every
-row writes its page and reads its request's table column at its own depth (Eq. 7 through Eq. 11).
+The eager runner's rows and their paged K/V: a request's rows in flight (Group), and how every row
+writes its page and reads its request's table column at its own depth (Eq. 7 through Eq. 11).
 
-A *row* is one token of one request at one depth. serve_depthbatch.Engine decides which rows run
-and when they stop; this file is a request's record (Live), what a runner reports of its rows
-(Log, Said), the eager runner's rows in flight (Group), those waiting for a shared LM-head call
-(HeadQueue) and what one of its passes reads and writes. The slot runner's rows live on the device
-(slot_pass.py).
+A *row* is one token of one request at one depth. serve_depthbatch.EagerRunner runs them; the slot
+runner's rows live on the device (engine/slot_pass.py).
 """
-from typing import NamedTuple, Optional
-
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from kernels import attend_pages, check_inputs, gather_plan, grid_of, paged_chunk_attention, paged_chunk_attention_grid
 from model import at_least_fp32
-
-
-class Live:
-    """The engine's record of one request, from its admission to its end: its page table, how far
-    its positions have run, its rows in flight and the exits they decided, what preemption has cost
-    it. Below the line, what a runner keeps of it: the eager runner's group of rows, the slot
-    runner's request slot and pages taken ahead."""
-
-    def __init__(self, req, id):
-        self.req, self.id = req, id
-        self.seq = None                 # RaggedSeq while it holds pages
-        self.done = 0                   # positions whose rows all finished (chunk_end starts here)
-        self.started = 0                # positions whose rows have started
-        self.rows = 0                   # its rows in flight
-        # exits decided, by position, until its positions are done (then req.exits)
-        self.exits = {}
-        # (position, 0-based depth) of rows that stopped, for the host's table
-        self.stops = []
-        # the last token is sampled; it ends when its rows have finished
-        self.ending = False
-        self.evals_before = 0           # block evaluations of caches freed by preemption
-        # Σ exits and count of its decode positions run so far (replays not again)
-        self.decode_depths = [0, 0]
-        # ---- a runner's
-        self.group = None               # eager: its rows in flight (a Group), if any
-        # eager: passes its exited rows waited for a shared LM-head call
-        self.waited = 0
-        self.slot = None                # slots: its request slot on the device
-        # slots: positions the host starts (later ones restart on the device)
-        self.host_end = 0
-        self.reserved = -1              # slots: the last position whose pages are taken ahead
-
-    def runnable(self):
-        """Positions it must run: every known token but a final sampled one (that one never runs)."""
-        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
-
-    def last_position(self):
-        """The last position that runs: that of the token before the final one (which never runs)."""
-        return len(self.req.prompt) + self.req.max_tokens - 2
-
-    def preempted(self):
-        """Back in the queue: its pages, rows and slot are gone; req.exits stay, replayed on its return."""
-        self.seq = None
-        self.done = self.started = self.rows = 0
-        self.exits, self.stops = {}, []
-        self.group, self.slot, self.reserved = None, None, -1
-
-
-class Said(NamedTuple):
-    """One row's entry in a pass's log, where it says something: its request, position and the
-    1-based depth it ran, the exit it decided (0: none), the token its exit sampled (-1: none) and
-    its logits (where the request keeps them), whether it ran its last depth (stop), whether its
-    request's next position started in its place with that token (go)."""
-    live: "Live"
-    pos: int
-    depth: int
-    exit: int
-    tok: int
-    stop: bool
-    go: bool
-    logits: Optional[torch.Tensor] = None
-
-
-class Log(NamedTuple):
-    """What one pass of a runner did, the contract between a runner and the host: how many rows it
-    ran for each request [(Live, rows)], and the entries of its rows that say something [Said], in
-    row order (a runner builds them without any work per idle row)."""
-    ran: list
-    said: list
-
-
-class HeadQueue:
-    """The rows that exited and wait to share one LM-head call (head="shared"): [(Live, position,
-    normed state, passes waited)]. Every change to them goes through here;
-    serve_depthbatch.EagerRunner._head_rows decides when they go."""
-
-    def __init__(self):
-        self.rows = []
-
-    def __bool__(self):
-        return bool(self.rows)
-
-    def join(self, exited):
-        """One more pass for the rows waiting, and the newly exited [(Live, position, state)] join at 0."""
-        self.rows = [(s, p, h, w + 1) for s, p, h, w in self.rows] + [(s, p, h, 0)
-                                                                      for s, p, h in exited]
-
-    def waits(self):
-        return [(s, w) for s, _, _, w in self.rows]
-
-    def take(self):
-        """Every waiting row, out of the queue as [(Live, position, state)], each request charged
-        the passes its rows waited."""
-        rows, self.rows = self.rows, []
-        for s, _, _, w in rows:
-            s.waited += w
-        return [(s, p, h) for s, p, h, _ in rows]
-
-    def drop(self, live):
-        """The rows of a request that ended or was preempted (a replay computes them again)."""
-        self.rows = [e for e in self.rows if e[0] is not live]
 
 
 class Group:

@@ -1,7 +1,7 @@
 """
 Which requests run next (App. A.2): the queue, admission, chunks within the row budget and the free
-pages, and whom a dry pool costs. The engine's host (serve_depthbatch.Engine) schedules with it,
-whichever runner applies the block.
+pages, and whom a dry pool costs; with the two baselines' variants (nested waves, fixed waves). The
+engine's host (serve_depthbatch.Engine) schedules with it, whichever runner applies the block.
 
 It decides and hands back; the engine acts. `chunks` proposes the chunks of positions to start this
 step one at a time, the running requests oldest first, then requests admitted from the queue; the
@@ -10,12 +10,12 @@ pool dry. `evict` moves the newest request back to the front of the queue and ha
 engine frees its pages and rows, and on its return rebuilds its cache by replaying the exits it
 already had (memory is capacity: a preempted request continues exactly as it would have).
 
-A request in the queues is the engine's own record of it (rows.Live): its .req, .done (positions
+A request in the queues is the engine's own record of it (engine/contract.py's Live): its .req, .done (positions
 whose rows have all finished) and .runnable() (positions it must run).
 """
 from collections import deque
 
-from modes import keeps_one_depth, n_run, need
+from modes import as_fixed, keeps_one_depth, n_run, need
 
 SCHEDULERS = ["continuous", "nested", "fixed"]
 
@@ -69,6 +69,12 @@ class Scheduler:
     def busy(self):
         return bool(self.waiting or self.running)
 
+    def shape(self, r):
+        """A request as this scheduler runs it: the fixed scheduler runs every request as Ouro's code
+        does, every token all its loops (modes.as_fixed)."""
+        if self.kind == "fixed":
+            as_fixed(r, self.U)
+
     def chunks(self, rows, free, ready, wave=None):
         """The chunks to start this step, one at a time: yields (s, end), positions s.done..end-1,
         and the engine starts them before the next is chosen. rows: the rows already in flight;
@@ -77,16 +83,18 @@ class Scheduler:
         already (the slot runner restarts decode rows on the device: it counts against the budget of
         the requests after it, as a decode chunk would), anything else if neither. wave: the depth
         of the fixed wave under way, if any. A request admitted from the queue is yielded with .seq
-        None."""
+        None. `nested` starts chunks only between waves, when no row is in flight."""
+        if self.kind == "nested" and any(s.rows for s in self.running):
+            return
         joins = lambda s: self.kind != "fixed" or wave in (None, n_run(s.req, self.U))
         for s in list(self.running):
-            how = ready(s) if s in self.running else None    # starting a chunk may have preempted s
+            how = ready(s)
             if how == "started":
                 rows += 1
             if how != "chunk" or not joins(s):
                 continue
             end = chunk_end(s, self.max_rows - rows)
-            # one decode row always starts (allocation preempts)
+            # one decode row always starts (the host makes room for it)
             if end is not None and end - s.done > 1:
                 end = fit_chunk(s, end, free, self.U)
             if end is not None:
