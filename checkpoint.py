@@ -50,34 +50,6 @@ def atomic_write(path, write):
         raise
 
 
-def remove_stale_temps(folder):
-    """Remove the temp files an interrupted atomic_write left in folder (hidden, `.tmp`, each up to
-    the file's size); returns their names."""
-    stale = sorted(n for n in os.listdir(folder) if n.startswith(".") and n.endswith(".tmp"))
-    for name in stale:
-        os.remove(os.path.join(folder, name))
-    return stale
-
-
-def aside_folder(out_dir):
-    """Where an earlier run of out_dir goes when a fresh one replaces it: out_dir/earlier-1, -2, ..."""
-    k = 1
-    while os.path.exists(os.path.join(out_dir, f"earlier-{k}")):
-        k += 1
-    return os.path.join(out_dir, f"earlier-{k}")
-
-
-def keep_aside(out_dir):
-    """The earlier run's ckpt.pt and log.jsonl, moved into a folder of its own: nothing a user
-    trained is replaced unasked. Returns the folder."""
-    folder = aside_folder(out_dir)
-    os.makedirs(folder)
-    for name in ("ckpt.pt", "log.jsonl"):
-        if os.path.exists(os.path.join(out_dir, name)):
-            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    return folder
-
-
 def write_json(path, obj):
     def write(tmp):
         with open(tmp, "w") as f:

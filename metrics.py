@@ -1,5 +1,5 @@
 """
-What a training run measures on held-out windows (§6): the loss at every fixed depth and of
+What a training run measures on held-out windows (§4.1, App. B): the loss at every fixed depth and of
 ETE-Ragged at each threshold τ, exit fractions and jump rates, the KL of the mean exit distribution
 to the prior, and on labelled data the exit depth by difficulty with Spearman's ρ; and the batches
 of windows that train.py and these measurements draw.

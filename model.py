@@ -483,7 +483,7 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
 # ----------------------------------------------------------------------------- exit statistics
 
 def exit_stats(exits, U):
-    """The paper's exit metrics (§6) of a sequence of exit depths (1-based): the fraction at each
+    """The paper's exit metrics (§4.1, Fig. 2, 4) of a sequence of exit depths (1-based): the fraction at each
     depth, the jump rates J_k = P(|e_i - e_{i-1}| = k) for k = 0..U-1, and the large-jump rate
     Σ_{k>=2} J_k. exits: a list, or a tensor whose last dim is the position (jumps are taken within
     each row)."""

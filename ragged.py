@@ -121,7 +121,8 @@ class PagePool:
         return self.n_pages - len(self.free)
 
     def alloc(self, n, owner):
-        """n free pages, lowest ids first, for `owner` (a sequence, or a list of n: one per page)."""
+        """n free pages, lowest ids first, for `owner` (a sequence, or a list of n: one per page): a
+        page is taken only for a depth a token runs (App. A.1)."""
         if n > len(self.free):
             raise PoolExhausted(f"need {n} KV pages, {len(self.free)} of {self.n_pages} free")
         pages = [self.free.pop() for _ in range(n)]
@@ -155,7 +156,20 @@ class RaggedSeq:
     A page is allocated only when a token actually runs a depth. When token i stops running at
     depth r (its exit), rows d > r alias its terminal page (Eq. 11: A_d[i] = P_{i,min(d,e_i)}) and
     nothing deeper is ever held. Reads may alias; writes go only to a token's own page at the depth
-    it is running, never through an alias (write_pages checks it)."""
+    it is running, never through an alias (write_pages checks it).
+
+    A worked example, U = 4: three tokens exit at e = [1, 3, 2]. Depth 1 runs all three (pages 0, 1,
+    2), depth 2 tokens 1 and 2 (pages 3, 4), depth 3 token 1 (page 5); each exit aliases the deeper
+    entries to the page of its exit depth:
+
+                  d=1  d=2  d=3  d=4
+        token 0     0    0    0    0      e = 1
+        token 1     1    3    5    5      e = 3
+        token 2     2    4    4    4      e = 2
+
+    A query at depth 3 reads column 3, pages [0, 5, 4]: token 0 at depth 1, token 1 at 3, token 2 at 2,
+    each at min(3, e_j): Eq. 7 is reading a column. The cache holds 6 physical pages, Σ e_i, against
+    N·U = 12 dense rows (Eq. 12)."""
 
     def __init__(self, pool, n_loops, max_len):
         self.pool, self.U = pool, n_loops

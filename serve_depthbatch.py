@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from configurator import UserError
-from engine.contract import Live, Log, Runner, Said
+from engine.contract import Live, Runner
 from engine.graphs import can_capture
 from engine.request import sample_token
-from engine.rows import Group, RowsView, embed_new, keep_one_depth
+from engine.rows import Group, RowsView, embed_new, pass_logs
 from engine.scheduler import SCHEDULERS, Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
@@ -86,7 +86,7 @@ class EagerRunner(Runner):
         groups, pages = self._allocate(running)              # a fresh page per row and pass
         if not groups:                   # nothing runs: rows waiting for a shared head call take it
             waiting = self.shared is not None and self.shared.waiting()
-            return self._log([], [None], self._sample(self.shared.take())) if waiting else []
+            return pass_logs([], 1, self._sample(self.shared.take())) if waiting else []
         hn, gate, h_next = self._run_block(groups, pages)    # the block on every row, at its depth
         rows = self._decide_exits(groups, gate, h_next)      # Eq. 4, each row with its τ
         exited = [(g.live, pos, hn[i]) for g, pos, i, newly, _ in rows if newly and pos == g.sample_pos]
@@ -98,7 +98,7 @@ class EagerRunner(Runner):
         for g in groups:
             if len(g.pos) == 0:
                 del self.groups[g.live]
-        return self._log(rows, pages, tokens)
+        return pass_logs(rows, len(pages), tokens)
 
     def _allocate(self, running):
         """A page for every row at its depth (the host has made room: plan), oldest request first,
@@ -163,23 +163,8 @@ class EagerRunner(Runner):
                 if newly_list[row]:
                     g.exits[k] = g.d + 1
                 rows.append((g, pos, row, newly_list[row], not going[row]))
-            self._carry(g, going[g.rows], runs_on[g.rows], h_next[g.rows], survive[g.rows])
+            g.advance(going[g.rows], runs_on[g.rows], h_next[g.rows], survive[g.rows], self.U)
         return rows
-
-    def _carry(self, g, going, runs_on, h_next, survive):
-        """The rows of g that run on (going, a list; runs_on, its mask) keep their state for the
-        next depth; the stopped ones leave (Table 17's rows keep one depth from then on)."""
-        if all(going):
-            g.h, g.survive = h_next, survive
-        elif any(going):
-            stopped, g.pos = g.pos[~runs_on], g.pos[runs_on]
-            keep_one_depth(g, stopped, self.U)
-            on = runs_on.to(self.device)
-            g.h, g.survive = h_next[on], survive[on]
-        else:                             # all stopped (a decode token's one row, most often)
-            keep_one_depth(g, g.pos, self.U)
-            g.pos = g.pos[:0]
-        g.d += 1
 
     def _sample(self, rows):
         """The LM head on the rows [(Live, position, normed state)] whose exit samples their request's
@@ -197,22 +182,6 @@ class EagerRunner(Runner):
                                                               r.seed, pos)
             out.append((s, pos, tok, lg.detach().cpu()))
         return out
-
-    def _log(self, rows, pages, tokens):
-        """The run's Logs: a pass's rows (a fixed wave: its passes, their exits in the last), and the
-        tokens sampled, each at its row (a row that waited for a shared head call: an entry of its
-        own, at depth 0)."""
-        sampled = {(s, pos): (tok, lg if s.req.keep_logits else None) for s, pos, tok, lg in tokens}
-        said = []
-        for g, pos, _, newly, stopped in rows:          # g.d: the 1-based depth of the last pass
-            tok, lg = sampled.pop((g.live, pos), (-1, None))
-            if newly or stopped or tok >= 0:
-                said.append(Said(g.live, pos, g.d, g.d if newly else 0, tok, stopped, False, lg))
-        said += [Said(s, pos, 0, 0, tok, False, False, lg) for (s, pos), (tok, lg) in sampled.items()]
-        ran = {}
-        for g, *_ in rows:
-            ran[g.live] = ran.get(g.live, 0) + 1
-        return [Log(list(ran.items()), [])] * (len(pages) - 1) + [Log(list(ran.items()), said)]
 
     def drop(self, s):
         self.groups.pop(s, None)
@@ -319,7 +288,7 @@ class Engine:
 
     def _make_room(self):
         """The pages the runner's next run takes, by request: while they outgrow the free pages, the
-        newest request is preempted (oldest first keeps its pages, as memory is capacity)."""
+        newest request is preempted (App. A.2: memory is capacity; the oldest keep their pages)."""
         sched = self.scheduler
         need = self.runner.plan(sched.running, bool(sched.waiting))
         while sched.running and sum(need.get(s, 0) for s in sched.running) > len(self.pool.free):
@@ -403,9 +372,10 @@ class Engine:
     # ------------------------------------------------------------------ preemption and endings
 
     def _evict(self):
-        """The pool ran dry: the request the scheduler hands back loses its pages and its rows (the
-        replay on its return computes them again from its exits so far), or, alone and still too
-        big, ends where it is with the tokens it has (finish reason "length", Request.note says why)."""
+        """The pool ran dry (App. A.2): the request the scheduler hands back loses its pages and its
+        rows (the replay on its return computes them again from its exits so far), or, alone and
+        still too big, ends where it is with the tokens it has (finish reason "length", Request.note
+        says why)."""
         s, cut = self.scheduler.evict()
         if cut is not None:
             s.req.note = cut

@@ -24,6 +24,23 @@ def run_random_exits(seq, n, rng):
     return exits
 
 
+def test_the_worked_example_of_eq_7_11_12():
+    """RaggedSeq's docstring, run: exits [1, 3, 2] at U = 4 give the table it draws, column 3 reads every
+    token at min(3, e_j) (Eq. 7 through Eq. 11), and 6 physical pages against 12 dense rows (Eq. 12)."""
+    seq = RaggedSeq(PagePool(16, n_layer=1, n_kv_head=1, head_dim=2), 4, 3)
+    pos, exits = seq.extend(3), torch.tensor([1, 3, 2])
+    for d in range(4):
+        running = pos[exits > d]
+        if len(running):
+            seq.alloc_depth(running, d)
+        if (exits == d + 1).any():
+            seq.stop(pos[exits == d + 1], d)
+    assert seq.table.tolist() == [[0, 0, 0, 0], [1, 3, 5, 5], [2, 4, 4, 4]]
+    by_depth = {p: (i, d) for i in range(3) for d in range(4) for p in [seq.table[i, d].item()] if seq.real[i, d]}
+    assert [by_depth[p] for p in seq.table[:, 2].tolist()] == [(0, 0), (1, 2), (2, 1)]    # min(3, e_j), 0-based
+    assert seq.stats() == {"physical": 6, "logical": 12, "dense": 12, "block_evals": 6}
+
+
 def test_tables_alias_terminal_pages_and_writes_refuse_aliases():
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     pool = PagePool(400, n_layer=1, n_kv_head=1, head_dim=2)

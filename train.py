@@ -15,7 +15,8 @@ any other flag given with another value than the run's is refused. A flag that a
 (NEEDS: --cf_thr without --ra_method=counterfactual, say) is refused without it.
 
 The objectives themselves (Eq. 9-22) are objectives.py, what a run measures on held-out data is
-metrics.py; this file is the loop around them: flags, data, checkpoints, data-parallel processes.
+metrics.py; this file is the loop around them. Read top to bottom: the settings, the loop
+(train_loop), then what it stands on: the schedule, data, checkpoints, data-parallel processes.
 """
 import json
 import math
@@ -29,13 +30,13 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from checkpoint import (aside_folder, atomic_write, is_ouro_folder, keep_aside, load_checkpoint,
-                        model_args, remove_stale_temps, save_checkpoint)
+from checkpoint import is_ouro_folder, load_checkpoint
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, device_rule, parse,
                           resolve_device, run_cli, set_threads)
 from metrics import chunks, draw_starts, eval_thresholds, evaluate, get_batch, unigram_loss
 from model import GPTConfig, LoopedLM, check_shapes
 from objectives import Objective, beta_schedule, exit_prior, n_uniforms, step_kind, train_step
+from run_folder import lock_out_dir, log_target, save_run, trim_log, write_record
 from tokenizer import check_meta
 
 # ----------------------------------------------------------------------------- defaults
@@ -142,6 +143,93 @@ MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops
 RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend",
               "threads", "overwrite"]
 RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr"]
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train_loop(c, run, iter_num, resumed_at):
+    """Evaluate, log and checkpoint every eval_interval steps (metrics.py); one optimizer step of the
+    objective (objectives.py: Eq. 9-22) at a time between. Returns the last evaluation's metrics
+    (None if there was nothing to do). `run` holds the model, the optimizer, the data and what the
+    run logs to (main builds it)."""
+    last = c.max_iters if c.stop_iter < 0 else min(c.stop_iter, c.max_iters)
+    if iter_num >= last:
+        if run.master:
+            print(f"the checkpoint is at iter {iter_num} already (max_iters={c.max_iters}, stop_iter={c.stop_iter}): "
+                  "nothing to do; raise --max_iters to train on", file=sys.stderr)
+        return None
+    from tqdm import tqdm
+    bar = tqdm(total=last, initial=iter_num, desc="train", unit="it", file=sys.stderr, dynamic_ncols=True,
+               mininterval=1.0, disable=not run.master)
+    fwd = torch.compile(run.model) if c.compile else run.model
+    metrics, run.saved_at = None, resumed_at
+    while True:
+        if (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != resumed_at:
+            metrics = evaluate_and_save(c, run, iter_num, bar)
+        if iter_num >= last:
+            break
+        record = optimizer_step(c, run, fwd, iter_num)
+        iter_num += 1
+        bar.update(1)
+        if iter_num % c.log_interval == 0:
+            write_record(c, run, {"iter": iter_num, **record})
+            bar.set_postfix(loss=f"{record['train_loss']:.4f}", beta=f"{record['beta']:.4f}")
+    bar.close()
+    return metrics
+
+
+def optimizer_step(c, run, fwd, iter_num):
+    """One step: the learning rate and β of this step (lr_at, the App. B β schedule), the loss of
+    this step's kind (dense, or an RA step: objectives.step_kind) over every micro-batch, the
+    gradient clipped, the optimizer stepped. Returns what the log records of it."""
+    lr, beta = lr_at(iter_num, c), beta_schedule(iter_num / c.max_iters, c.beta)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.time()
+    kind = step_kind(iter_num, run.objective)
+    mine = range(run.rank * run.n_micro // run.world, (run.rank + 1) * run.n_micro // run.world)
+    train_loss, parts, kl_step = train_step(fwd, step_batches(c, run, kind, mine), iter_num, run.prior,
+                                            run.objective, beta, run.ctx, run.n_micro, run.world)
+    # the norm is taken after the gradient all-reduce: every process stops at the same step
+    norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
+    if not (math.isfinite(train_loss) and math.isfinite(float(norm))):
+        kept = (f"the checkpoint of iter {run.saved_at} in {c.out_dir} is kept" if run.saved_at else
+                "no checkpoint of this run was written")
+        raise UserError(f"training diverged at iter {iter_num} (loss {train_loss}, gradient norm {float(norm)}); "
+                        f"nothing was stepped and {kept}; try a lower --learning_rate or --grad_clip")
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    extra = {} if kl_step is None else {"kl_global": kl_step}
+    return {"step": kind, "train_loss": train_loss, **parts, **extra, "lr": lr, "beta": beta,
+            "ms_per_iter": round(1000 * (time.time() - t0), 1)}
+
+
+def evaluate_and_save(c, run, iter_num, bar):
+    """The held-out metrics (metrics.evaluate), logged and printed, and a checkpoint (but at step 0)."""
+    metrics = evaluate(run.model, run.val, run.labels, c, run.prior, run.ctx, run.device, run.item_labels)
+    write_record(c, run, run.record_of(iter_num, metrics))
+    if run.master:
+        bar.write(f"iter {iter_num}: val loss fixed@1..{run.model.config.n_loops} {metrics['val_loss_fixed']}, "
+                  f"ragged {metrics['val_loss_ragged']}; avg exit depth {metrics['avg_exit_depth']:.2f}, "
+                  f"fractions {metrics['exit_fractions']}, large jumps {metrics['large_jump_rate']:.3f}")
+    if iter_num > 0:
+        save_run(c, run, iter_num)
+        run.saved_at = iter_num
+    return metrics
+
+
+def step_batches(c, run, kind, mine):
+    """This process's micro-batches of one step (`mine`), with the uniforms of a ragged step's
+    sampled exits: the global batch is drawn identically on every rank, each runs its share."""
+    B, T, U = c.batch_size, c.block_size, run.model.config.n_loops
+    starts = draw_starts(run.train, c, B * run.n_micro, run.data_gen)
+    uniforms = (torch.rand(n_uniforms(run.objective), B * run.n_micro, T, U, generator=run.exit_gen)
+                if kind in ("ragged", "reinforce") else None)
+    out = []
+    for m in mine:
+        x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
+        out.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
+    return out
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -359,52 +447,6 @@ def start_model(c, meta, device, master, data_gen, exit_gen, given=()):
     return model, make_optimizer(model, c, device), 0, None
 
 
-def lock_out_dir(c):
-    """One run writes an out_dir at a time: the writing run holds an exclusive lock on out_dir/.lock
-    (the system releases it when the process ends, killed or not), and a second run into the same
-    folder is refused while the first one runs, before it writes anything. Where the system has no
-    flock (Windows), nothing is checked. Holding the lock, it removes what an interrupted write left
-    (checkpoint.atomic_write's hidden temp files, each up to a checkpoint's size), and says so."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    os.makedirs(c.out_dir, exist_ok=True)
-    f = open(os.path.join(c.out_dir, ".lock"), "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        raise UserError(f"--out_dir={c.out_dir}: another train.py is writing this run now; wait "
-                        "for it to end or give another --out_dir")
-    stale = remove_stale_temps(c.out_dir)
-    if stale:
-        print(f"removed {len(stale)} file(s) an interrupted write left in {c.out_dir} "
-              f"({', '.join(stale)})", file=sys.stderr)
-    return f
-
-
-def log_target(c, master):
-    """Where training records go. A fresh run into a folder that holds an earlier run leaves that
-    run's ckpt.pt and log.jsonl untouched until it has a checkpoint of its own (its log goes to
-    log.jsonl.new until then); then the earlier run moves aside (keep_aside), unless --overwrite.
-    Returns (log file, pending)."""
-    ckpt_path, log_path = os.path.join(c.out_dir, "ckpt.pt"), os.path.join(c.out_dir, "log.jsonl")
-    pending = (c.init_from == "scratch" and not c.eval_only
-               and any(os.path.exists(p) for p in (ckpt_path, log_path)))
-    log_file = log_path + ".new" if pending else log_path
-    if master and pending:
-        os.makedirs(c.out_dir, exist_ok=True)
-        open(log_file, "w").close()
-        then = ("it is replaced (--overwrite)" if c.overwrite else
-                f"it moves to {aside_folder(c.out_dir)} (--overwrite: replace it)")
-        print(f"{c.out_dir} holds an earlier run: it stays as it is until "
-              "this run's first checkpoint "
-              f"(iter {min(c.eval_interval, c.max_iters)}), then {then}; until then "
-              f"this run logs to {log_file}", file=sys.stderr)
-    return log_file, pending
-
-
 def autocast(c, device):
     use_bf16 = c.dtype == "bfloat16" or (c.dtype == "auto" and device.startswith("cuda"))
     return (torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16) if use_bf16
@@ -483,113 +525,6 @@ def main(argv):
     return metrics
 
 
-def trim_log(path, iter_num):
-    """A resumed run continues from its checkpoint at iter_num: the records written after it (by
-    the run that was stopped) are dropped, so that the log holds each iteration once."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    keep = [line for line in lines if json.loads(line).get("iter", 0) <= iter_num]
-    if len(keep) < len(lines):
-        atomic_write(path, lambda tmp: open(tmp, "w").writelines(keep))
-
-
-def write_record(c, run, record):
-    if run.master:
-        os.makedirs(c.out_dir, exist_ok=True)
-        with open(run.log_file, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def save_run(c, run, it):
-    """Checkpoint everything a resume needs; the first checkpoint of a fresh run over an earlier
-    one moves that run aside (keep_aside; --overwrite: replaced) and makes this run's log the
-    folder's log.jsonl."""
-    if not run.master:
-        return
-    if run.pending and not c.overwrite:
-        print(f"\nthe earlier run in {c.out_dir} moved to {keep_aside(c.out_dir)}", file=sys.stderr)
-    m = run.model
-    save_checkpoint({"model": m.state_dict(), "optimizer": run.optimizer.state_dict(),
-                     "model_args": model_args(m.config), "iter_num": it, "config": vars(c), "meta": run.meta,
-                     "data_rng": run.data_gen.get_state(), "exit_rng": run.exit_gen.get_state()},
-                    os.path.join(c.out_dir, "ckpt.pt"))
-    if run.pending:
-        log_path = os.path.join(c.out_dir, "log.jsonl")
-        os.replace(run.log_file, log_path)
-        run.log_file, run.pending = log_path, False
-
-
-def step_batches(c, run, kind, mine):
-    """This process's micro-batches of one step (`mine`), with the uniforms of a ragged step's
-    sampled exits: the global batch is drawn identically on every rank, each runs its share."""
-    B, T, U = c.batch_size, c.block_size, run.model.config.n_loops
-    starts = draw_starts(run.train, c, B * run.n_micro, run.data_gen)
-    uniforms = (torch.rand(n_uniforms(run.objective), B * run.n_micro, T, U, generator=run.exit_gen)
-                if kind in ("ragged", "reinforce") else None)
-    out = []
-    for m in mine:
-        x, y = get_batch(run.train, c, starts[m * B:(m + 1) * B], run.device)
-        out.append((x, y, None if uniforms is None else uniforms[:, m * B:(m + 1) * B].to(run.device)))
-    return out
-
-
-def train_loop(c, run, iter_num, resumed_at):
-    """Evaluate, log and checkpoint every eval_interval steps; one optimizer step at a time between.
-    Returns the last evaluation's metrics (None if there was nothing to do)."""
-    model, U = run.model, run.model.config.n_loops
-    mine = range(run.rank * run.n_micro // run.world, (run.rank + 1) * run.n_micro // run.world)
-    last = c.max_iters if c.stop_iter < 0 else min(c.stop_iter, c.max_iters)
-    if iter_num >= last:
-        if run.master:
-            print(f"the checkpoint is at iter {iter_num} already (max_iters={c.max_iters}, stop_iter={c.stop_iter}): "
-                  "nothing to do; raise --max_iters to train on", file=sys.stderr)
-        return None
-    from tqdm import tqdm
-    bar = tqdm(total=last, initial=iter_num, desc="train", unit="it", file=sys.stderr, dynamic_ncols=True,
-               mininterval=1.0, disable=not run.master)
-    fwd = torch.compile(model) if c.compile else model
-    metrics, saved_at = None, resumed_at
-    while True:
-        if (iter_num % c.eval_interval == 0 or iter_num == last) and iter_num != resumed_at:
-            metrics = evaluate(model, run.val, run.labels, c, run.prior, run.ctx, run.device, run.item_labels)
-            write_record(c, run, run.record_of(iter_num, metrics))
-            if run.master:
-                bar.write(f"iter {iter_num}: val loss fixed@1..{U} {metrics['val_loss_fixed']}, ragged "
-                          f"{metrics['val_loss_ragged']}; avg exit depth {metrics['avg_exit_depth']:.2f}, "
-                          f"fractions {metrics['exit_fractions']}, large jumps {metrics['large_jump_rate']:.3f}")
-            if iter_num > 0:
-                save_run(c, run, iter_num)
-                saved_at = iter_num
-        if iter_num >= last:
-            break
-        lr = lr_at(iter_num, c)
-        b = beta_schedule(iter_num / c.max_iters, c.beta)
-        for group in run.optimizer.param_groups:
-            group["lr"] = lr
-        t0 = time.time()
-        kind = step_kind(iter_num, run.objective)
-        train_loss, parts, kl_step = train_step(fwd, step_batches(c, run, kind, mine), iter_num, run.prior,
-                                                run.objective, b, run.ctx, run.n_micro, run.world)
-        # the norm is taken after the gradient all-reduce: every process stops at the same step
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip if c.grad_clip > 0 else math.inf)
-        if not (math.isfinite(train_loss) and math.isfinite(float(norm))):
-            kept = (f"the checkpoint of iter {saved_at} in {c.out_dir} is kept" if saved_at else
-                    "no checkpoint of this run was written")
-            raise UserError(f"training diverged at iter {iter_num} (loss {train_loss}, gradient norm {float(norm)}); "
-                            f"nothing was stepped and {kept}; try a lower --learning_rate or --grad_clip")
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        iter_num += 1
-        bar.update(1)
-        if iter_num % c.log_interval == 0:
-            extra = {} if kl_step is None else {"kl_global": kl_step}
-            write_record(c, run, {"iter": iter_num, "step": kind, "train_loss": train_loss, **parts, **extra, "lr": lr,
-                                  "beta": b, "ms_per_iter": round(1000 * (time.time() - t0), 1)})
-            bar.set_postfix(loss=f"{train_loss:.4f}", beta=f"{b:.4f}")
-    bar.close()
-    return metrics
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class Log(NamedTuple):
 
 
 class Runner:
-    """The questions the host asks a runner, and the answers of one that takes a page for each row
+    """The questions the host asks a runner (App. A.2), and the answers of one that takes a page for each row
     pass by pass, starts every position from the host and reads what its passes did at once (the
     eager runner, serve_depthbatch.EagerRunner). A runner answers only what it does otherwise
     (engine/slots.py's SlotRunner: decode rows restarted on the device, pages taken ahead, results a

@@ -8,6 +8,7 @@ runner's rows live on the device (engine/slot_pass.py).
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.contract import Log, Said
 from kernels import attend_pages, check_inputs, gather_plan, grid_of, paged_chunk_attention, paged_chunk_attention_grid
 from model import at_least_fp32
 
@@ -39,6 +40,21 @@ class Group:
         """The running rows' indices into the host lists, in batch order (row g.rows.start + i is
         position pos[i] = start + offsets()[i])."""
         return (self.pos - self.start).tolist()
+
+    def advance(self, going, runs_on, h_next, survive, U):
+        """After a pass: the rows that run on (going, a list; runs_on, its mask) keep their state for
+        the next depth; the stopped ones leave (Table 17's rows keep one depth from then on)."""
+        if all(going):
+            self.h, self.survive = h_next, survive
+        elif any(going):
+            stopped, self.pos = self.pos[~runs_on], self.pos[runs_on]
+            keep_one_depth(self, stopped, U)
+            on = runs_on.to(h_next.device)
+            self.h, self.survive = h_next[on], survive[on]
+        else:                             # all stopped (a decode token's one row, most often)
+            keep_one_depth(self, self.pos, U)
+            self.pos = self.pos[:0]
+        self.d += 1
 
 
 class RowsView:
@@ -148,6 +164,24 @@ def keep_one_depth(g, stopped, U):
             depth = U - 1 if rule == "last" else g.exits[p - g.start] - 1
             g.live.seq.collapse(torch.tensor([p]), torch.tensor([depth]))
 
+
+
+def pass_logs(rows, n_passes, tokens):
+    """The Logs of an eager run (engine/contract.py): its passes (a fixed wave: several, their exits
+    in the last) and their rows [(group, position, row, newly exited, stopped)], with the tokens
+    sampled [(Live, position, token, logits)], each at its row (a row that waited for a shared head
+    call: an entry of its own, at depth 0)."""
+    sampled = {(s, pos): (tok, lg if s.req.keep_logits else None) for s, pos, tok, lg in tokens}
+    said = []
+    for g, pos, _, newly, stopped in rows:          # g.d: the 1-based depth of the last pass
+        tok, lg = sampled.pop((g.live, pos), (-1, None))
+        if newly or stopped or tok >= 0:
+            said.append(Said(g.live, pos, g.d, g.d if newly else 0, tok, stopped, False, lg))
+    said += [Said(s, pos, 0, 0, tok, False, False, lg) for (s, pos), (tok, lg) in sampled.items()]
+    ran = {}
+    for g, *_ in rows:
+        ran[g.live] = ran.get(g.live, 0) + 1
+    return [Log(list(ran.items()), [])] * (n_passes - 1) + [Log(list(ran.items()), said)]
 
 if __name__ == "__main__":
     from configurator import library

@@ -76,7 +76,7 @@ class Scheduler:
             as_fixed(r, self.U)
 
     def chunks(self, rows, free, ready, wave=None):
-        """The chunks to start this step, one at a time: yields (s, end), positions s.done..end-1,
+        """The chunks to start this step (App. A.2), one at a time: yields (s, end), positions s.done..end-1,
         and the engine starts them before the next is chosen. rows: the rows already in flight;
         free: the pages left for new chunks (a chunk's rows take one per depth they may run).
         ready(s), the runner's: "chunk" if s may start one, "started" if its next row has started

@@ -47,7 +47,8 @@ class SharedHead:
         self.waited.pop(live, None)
 
     def choose(self, exited, others, running, queued):
-        """The exited rows [(Live, position, normed state)] that take the LM head now: they join the
+        """The exited rows [(Live, position, normed state)] that take the LM head now (beyond App. A.2,
+        where every exited row takes it at once): they join the
         waiting rows, and all go together when one has waited its limit, when nothing else would run
         next pass (others: False), or when waiting costs more than the call it saves. What a wait
         costs: while requests queue, each waiting row idles its slot of the batch (about w_block /

@@ -490,11 +490,11 @@ class SlotRunner(Runner):
         where = ((fields["exit"] > 0) | (fields["stop"] > 0) | (fields["tok"] >= 0) | (fields["go"] > 0)).nonzero()
         p_r = where.tolist()
         values = zip(*[fields[k][where[:, 0], where[:, 1]].tolist() for k in LOG])
-        for (p, r), (i, pos, depth, exit, tok, stop, go) in zip(p_r, values):
-            if lives[i] is not None:
-                said[p].append(Said(lives[i], pos, depth, exit, tok, bool(stop), bool(go),
-                                    logits[p, r].clone() if tok >= 0 and lives[i].req.keep_logits
-                                    else None))
+        for (p, r), (slot, pos, depth, decided, tok, stop, go) in zip(p_r, values):
+            s = lives[slot]
+            if s is not None:
+                kept = logits[p, r].clone() if tok >= 0 and s.req.keep_logits else None
+                said[p].append(Said(s, pos, depth, decided, tok, bool(stop), bool(go), kept))
         counts = ran.view(P, n).tolist()
         return [Log([(s, c) for s, c in zip(lives, row) if s is not None and c], said[p])
                 for p, row in enumerate(counts)]

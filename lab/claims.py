@@ -355,7 +355,7 @@ def jump_claims(R):
         diff = ci(100 * (g - l), 100 * reps, 1)
         test = permutation_test(rates["global"], rates["local"])
         holds = None if few else interval(reps)[0] > 0.02 and g >= 3 * l
-        out.append(row(claim, "§6, Fig. 5", rule, f"global − local {diff} points ({n}; {test})",
+        out.append(row(claim, "§4.1, Fig. 4, 12", rule, f"global − local {diff} points ({n}; {test})",
                        numbers + f"; global minus local {diff} points; {test}", holds=holds,
                        verdict=few, runs=runs))
     return out
@@ -398,7 +398,7 @@ def ra_claims(R):
                                            and b.get("windows")]
         if not any(pairs_of.values()):
             out.append(not_run(f"RA lowers the global ragged loss, changes the local model little: {data}",
-                               "§5, Table 5", "rule 3: against the noise floor "
+                               "§5, Fig. 5, 13", "rule 3: against the noise floor "
                                "of two dense continuations",
                                f"{PREFIX[data]}-{{global,local}}-poisson-s<seed>-ra-{methods[0]}, "
                                "-cont-dense and -cont-dense-order2, from each parent"))
@@ -450,7 +450,7 @@ def ra_row(data, scope, method, pairs, floor):
                                        "are not all run)"
                                        if not floor
                                        else "untested (its interval crosses the floor)"))
-    return row(claim, "§5, Table 5", rule, here, numbers, holds=None if too_few(len(pairs))
+    return row(claim, "§5, Fig. 5, 13", rule, here, numbers, holds=None if too_few(len(pairs))
                or not floor else holds, verdict=verdict, runs=runs)
 
 

@@ -1,5 +1,5 @@
 """
-The paper's claims on exits and difficulty (§4, §6, Fig. 12), for lab/claims.py's table: where depth
+The paper's claims on exits and difficulty (§4, Fig. 3, 12), for lab/claims.py's table: where depth
 buys accuracy on the hardest items at all (each row's precondition), whether exits rise with the
 difficulty, more under global than local (synthetic labels, the look-up tasks whose k shows), and on
 the graded task, where k is hidden, whether the answer's exits follow each model's own need (rule 2:
@@ -68,7 +68,7 @@ def difficulty_claims(R):
     with_acc = [r for s in runs for r in runs[s] if "label_correct" in r["windows"]]
     claim = "Exits rise with the next token's difficulty, more under global than local: synthetic"
     if not with_acc:
-        return [row(claim, "§6, Fig. 12", RISE_RULE, "no per-label accuracy", "",
+        return [row(claim, "§4, Fig. 3, 12", RISE_RULE, "no per-label accuracy", "",
                     verdict="untested (no interval)", runs=runs["global"] + runs["local"])]
     U = len(with_acc[0]["final"]["val_loss_fixed"])
     groups = [(correct(r, 4, U - 1), correct(r, 4, 0), tokens(r, 4)) for r in with_acc]
@@ -84,7 +84,7 @@ def difficulty_claims(R):
     numbers = (f"precondition, accuracy on difficulty-4 tokens, fixed@{U} minus fixed@1 "
                f"({len(with_acc)} models, held-out windows): {ci(value, reps)} ({GAIN_RULE}); "
                f"ETE-Ragged τ 0.5, mean depth before difficulty 4 minus 1 ({n}): {text}")
-    out = row(claim, "§6, Fig. 12", RISE_RULE, "depth buys accuracy on the hardest: "
+    out = row(claim, "§4, Fig. 3, 12", RISE_RULE, "depth buys accuracy on the hardest: "
               f"{ci(value, reps)}; rise, global − local "
               f"{text.split('global minus local ')[1].split(' (')[0]} ({n})", numbers, holds=holds,
               runs=runs["global"] + runs["local"])
@@ -116,7 +116,7 @@ def pointer_prior_claims(R, data, prior):
     claim = f"The answer's exit depth rises with k, more under global than local: {name} (k visible)"
     n = f"{len(suites['global'])}+{len(suites['local'])} models"
     if not all(items.values()):
-        return [row(claim, "§6", RISE_RULE, f"no rollouts ({n})", "", verdict="untested (no "
+        return [row(claim, "§4, Fig. 3", RISE_RULE, f"no rollouts ({n})", "", verdict="untested (no "
                     "interval)", runs=runs)]
     groups = [(rollouts(b, f"fixed@{U}", hard, "correct"), rollouts(b, "fixed@1", hard, "correct"))
               for s in items for b in items[s]]
@@ -139,7 +139,7 @@ def pointer_prior_claims(R, data, prior):
                f"{table('global')}; local "
                f"{table('local')}; the answer's exit depth at k={hard} minus k={lo}, ETE-Ragged τ "
                f"0.5: {text}; k shows in the item's length")
-    out = row(claim, "§6", RISE_RULE, f"depth buys: {ci(gain, reps)}; rise global − local "
+    out = row(claim, "§4, Fig. 3", RISE_RULE, f"depth buys: {ci(gain, reps)}; rise global − local "
               f"{text.split('global minus local ')[1].split(' (')[0]} ({n})", numbers, holds=holds,
               runs=runs)
     return [given_precondition(out, need, [len(v) for v in items.values()])]
@@ -214,7 +214,7 @@ def need_claims(R):
             "each scope's models at the τ whose answer depth is nearest the other scope's at τ 0.5")
     runs = {s: [r for r in graded_runs(R, s) if r.get("builtin_need")] for s in ("global", "local")}
     if not all(runs.values()):
-        return [not_run(claim, "§4, §6", rule, f"grd-{{global,local}}-poisson-s<seed>, "
+        return [not_run(claim, "§4, Fig. 3, 12", rule, f"grd-{{global,local}}-poisson-s<seed>, "
                         f"{GRADED_SEEDS} seeds a scope")]
     U, levels = deepest(runs["global"][0]["builtin"]), levels_of(runs["global"][0]["builtin"])
     models = {s: [need_model(r, levels, U) for r in rs] for s, rs in runs.items()}
@@ -235,7 +235,7 @@ def need_claims(R):
     if too_few(*count.values()):
         here = (f"{count['global']} of {len(models['global'])} global, {count['local']} of "
                 f"{len(models['local'])} local models learn past one look-up")
-        return [row(claim, "§4, §6", rule, here, numbers, verdict="untested "
+        return [row(claim, "§4, Fig. 3, 12", rule, here, numbers, verdict="untested "
                     f"(too few learners: {here})", runs=used)]
     cells, holds = [], True
     for a, b in (("global", "local"), ("local", "global")):
@@ -254,7 +254,7 @@ def need_claims(R):
               f"({permutation_test(rho['global'], rho['local'])})")
     first = cells[0].split("global minus local ")[1].split(" (")[0]
     here = f"Spearman(exit, need), global − local at matched depth: {first} ({count['global']}+{count['local']} models)"
-    return [row(claim, "§4, §6", rule, here, " | ".join(cells) + "; " + numbers, holds=holds,
+    return [row(claim, "§4, Fig. 3, 12", rule, here, " | ".join(cells) + "; " + numbers, holds=holds,
                 runs=used)]
 
 

@@ -4,7 +4,7 @@ PATH/modeling_ouro.py`): the same weights opened by Ouro's own code, and its own
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
     raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.bench --what=engine --ouro_code=PATH ...")
+                     "lab.ouro_code ...")
 import json
 import os
 import shutil

@@ -13,6 +13,7 @@ import torch
 
 import prepare_data
 from lab import eval as ev
+from lab import harness
 from lab import tasks
 from checkpoint import model_args, save_checkpoint
 from conftest import chase
@@ -197,7 +198,8 @@ def test_lm_eval_adapter_answers_a_local_task(tmp_path, ckpt):
         f"task: tiny_gen\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
         "output_type: generate_until\ndoc_to_text: \"{{context}}\"\ndoc_to_target: \"{{choices[answer]}}\"\n"
         "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 5\nmetric_list:\n  - metric: exact_match\n")
-    lm = ev.lm_eval_adapter(model, encode, decode, "ete_ragged", 0.5, None, dict(ev.DEFAULTS), "cpu")
+    lm = harness.lm_eval_adapter(model, encode, decode, "ete_ragged", 0.5, None, dict(ev.DEFAULTS), "cpu",
+                                 ev.generation_engine)
     ll = lm.loglikelihood([Instance("loglikelihood", {}, ("the red ", "cat"), 0)])
     assert abs(ll[0][0] - direct_loglik(model, encode, "the red ", "cat", "ete_ragged", 0.5)) < 1e-4
     out = lm.generate_until([Instance("generate_until", {}, ("the ", {"until": ["e"], "max_gen_toks": 6}), 0)])

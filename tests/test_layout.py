@@ -4,16 +4,18 @@ importing another, and a README whose "Read the code" table names functions that
 docstrings name the paper's equation, and tests that exist."""
 import ast
 import importlib
+import inspect
 import os
 import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "tokenizer", "configurator",
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "run_folder", "tokenizer",
+           "configurator",
            "server", "objectives", "metrics",
            "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
            "engine.slots", "engine.slot_pass", "engine.graphs",
            "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
-           "lab.ouro_code",
+           "lab.ouro_code", "lab.harness",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
@@ -101,7 +103,7 @@ def test_no_test_module_imports_another():
 
 
 def refs(text):
-    """The paper references in a text: {'Eq. 7', 'Eq. 9', 'App. A.2', '§6', ...}; ranges expanded."""
+    """The paper references in a text: {'Eq. 7', 'Eq. 9', 'App. A.2', '§5', ...}; ranges expanded."""
     out = set()
     for m in re.finditer(r"Eq\. ?(\d+(?:\s*(?:-|–|,|/|and|or)\s*(?:Eq\. ?)?\d+)*)", text):
         parts = re.split(r"\s*(,|/|and|or)\s*(?:Eq\. ?)?", m.group(1))
@@ -115,10 +117,14 @@ def refs(text):
     return out
 
 
-def read_the_code_rows():
+def read_the_code_rows(paper_only=False):
+    """The rows of the README's "Read the code" tables: [idea, paper, code, lines, checked by,
+    reference]. paper_only: the paper's tables, not the one on going fast (the engine package)."""
     text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
-    table = text.split("## Read the code", 1)[1].split("\n## ", 1)[0]
-    rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| idea") and "---" not in r]
+    section = text.split("## Read the code", 1)[1].split("\n## ", 1)[0]
+    if paper_only:
+        section = section.split("**Going fast", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| idea") and "---" not in r]
     return [[c.strip() for c in r.strip("|").split("|")] for r in rows]
 
 
@@ -132,8 +138,8 @@ def resolve(ref):
 
 
 def test_refs_parser():
-    assert refs("Eq. 14-16 and Eq. 9 or Eq. 10, (App. A.2), §6") == {"Eq. 14", "Eq. 15", "Eq. 16", "Eq. 9",
-                                                                    "Eq. 10", "App. A.2", "§6"}
+    assert refs("Eq. 14-16 and Eq. 9 or Eq. 10, (App. A.2), §5") == {"Eq. 14", "Eq. 15", "Eq. 16", "Eq. 9",
+                                                                    "Eq. 10", "App. A.2", "§5"}
     assert refs("Eq. 7, 11") == {"Eq. 7", "Eq. 11"}
 
 
@@ -144,7 +150,7 @@ def test_read_the_code_names_real_functions_that_cite_their_equation_and_real_te
     for name in modules():
         if name.startswith("test_"):
             tests |= set(re.findall(r"^def (test_\w+)", open(source_files()[name]).read(), re.M))
-    for idea, paper, code, checked, reference in rows:
+    for idea, paper, code, lines, checked, reference in rows:
         cited = refs(paper)
         assert cited, f"row {idea!r}: no paper reference"
         for ref in re.findall(r"`([\w./]+\.py:[\w.]+)`", code):
@@ -176,12 +182,12 @@ def test_read_the_code_visits_each_file_once_references_first():
     """The reading path is one pass per file (no file comes back after another), and a reference
     that has a row of its own is read before the rows checked against it."""
     rows = read_the_code_rows()
-    files = [re.search(r"`([\w./]+\.py):", code).group(1) for _, _, code, _, _ in rows]
+    files = [re.search(r"`([\w./]+\.py):", code).group(1) for _, _, code, _, _, _ in rows]
     visits = [f for i, f in enumerate(files) if i == 0 or files[i - 1] != f]
     assert len(visits) == len(set(visits)), visits
     named = lambda text: set(re.findall(r"`([\w./]+\.py:[\w.]+)`", text))
-    in_table, seen = set().union(*(named(code) for _, _, code, _, _ in rows)), set()
-    for _, _, code, _, reference in rows:
+    in_table, seen = set().union(*(named(code) for _, _, code, _, _, _ in rows)), set()
+    for _, _, code, _, _, reference in rows:
         for ref in named(reference) & in_table:
             assert ref in seen, f"{ref} is read after a row checked against it"
         seen |= named(code)
@@ -210,3 +216,73 @@ def test_lines_stay_narrow():
              for line in open(path, encoding="utf-8").read().splitlines()]
     wide = sum(len(line) > WIDE for line in lines)
     assert wide <= MAX_WIDE_SHARE * len(lines), f"{wide} of {len(lines)} lines over {WIDE} columns"
+
+
+READ_BUDGET = 2100     # lines a newcomer reads to reach the paper's ideas (nanoGPT's model.py and train.py: ~640)
+
+
+def lines_of(ref):
+    """'file.py:Name' -> (first, last) line of its source."""
+    source, first = inspect.getsourcelines(resolve(ref))
+    return first, first + len(source) - 1
+
+
+def test_read_the_code_gives_each_functions_lines():
+    """Every code cell's line range is its function's, as the code stands."""
+    for idea, _, code, lines, _, _ in read_the_code_rows():
+        ref = re.search(r"`([\w./]+\.py:[\w.]+)`", code).group(1)
+        assert lines == "%d-%d" % lines_of(ref), f"row {idea!r}: {ref} is at lines {lines_of(ref)}, not {lines}"
+
+
+def test_the_paper_is_read_in_about_2100_lines():
+    """Following the README's reading order, a reader reads each file of the paper's tables from its top
+    to the end of the last function the tables name in it: at most READ_BUDGET lines in all."""
+    ends = {}
+    for _, _, code, _, _, _ in read_the_code_rows(paper_only=True):
+        for ref in re.findall(r"`([\w./]+\.py:[\w.]+)`", code):
+            path = ref.split(":")[0]
+            ends[path] = max(ends.get(path, 0), lines_of(ref)[1])
+    assert sum(ends.values()) <= READ_BUDGET, ends
+
+
+RUNNERS = {"serve_depthbatch": ["EagerRunner"], "engine.slots": ["SlotRunner"], "engine.contract": ["Runner"],
+           "engine.shared_head": ["SharedHead"], "engine.rows": ["Group", "RowsView"]}
+SEQ_FIELDS = {"table", "real", "block_evals", "n", "released"}
+
+
+def class_source(module, name):
+    tree = ast.parse(open(source_files()[module], encoding="utf-8").read())
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+
+
+def test_runners_never_see_the_host():
+    """A runner is built from what it uses and answers the host's questions: no runner names the Engine,
+    holds it (self.e) or reaches its scheduler; eviction happens in one place (Engine._evict, the one
+    caller of the scheduler's evict, called by the host alone); nothing outside ragged.py writes a
+    RaggedSeq's fields (table, real, block_evals, n), in place or not."""
+    for module, classes in RUNNERS.items():
+        for name in classes:
+            for node in ast.walk(class_source(module, name)):
+                if isinstance(node, ast.Name):
+                    assert node.id != "Engine", f"{module}.{name} names the Engine"
+                if isinstance(node, ast.Attribute):
+                    assert node.attr not in ("e", "scheduler", "_evict", "evict", "_make_room"), \
+                        f"{module}.{name} reaches the host: .{node.attr}"
+    evictions = []
+    for module, path in source_files().items():
+        if module.startswith("test") or module == "conftest":
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and node.func.attr in ("evict", "_evict"):
+                evictions.append((module, ast.unparse(node.func)))
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target]
+                       if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            if call and node.func.attr.endswith("_"):
+                targets = targets + [node.func.value]
+            for t in targets:
+                for part in ast.walk(t):
+                    if isinstance(part, ast.Attribute) and part.attr in SEQ_FIELDS and "seq" in ast.unparse(part.value):
+                        assert module == "ragged", f"{module}.py writes a RaggedSeq's {part.attr}: {ast.unparse(t)}"
+    assert sorted(evictions) == [("serve_depthbatch", "self._evict"), ("serve_depthbatch", "self._evict"),
+                                 ("serve_depthbatch", "self.scheduler.evict")], evictions

@@ -11,6 +11,7 @@ import torch
 import configurator
 import objectives
 import prepare_data
+import run_folder
 import sample
 import train
 from configurator import UserError
@@ -515,7 +516,7 @@ def test_a_second_run_into_a_used_out_dir_is_refused_while_the_first_runs(tmp_pa
     from types import SimpleNamespace
     out = str(tmp_path / "o")
     args = TINY + [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_iters=2", "--eval_interval=2"]
-    first = train.lock_out_dir(SimpleNamespace(out_dir=out))
+    first = run_folder.lock_out_dir(SimpleNamespace(out_dir=out))
     with pytest.raises(UserError, match="another train.py is writing"):
         train.main(args)
     assert sorted(os.listdir(out)) == [".lock"]
@@ -670,7 +671,7 @@ def test_training_on_the_pointer_dataset_reports_depth_over_item_spans(tmp_path)
 
 FULL_DISK = """
 import errno, sys
-import checkpoint, configurator, train
+import checkpoint, configurator, run_folder, train
 saves, real = [0], checkpoint.OSWrites.write
 def write(self, data):                          # the filesystem fills up at the run's second checkpoint
     if saves[0] >= 2:
@@ -679,7 +680,7 @@ def write(self, data):                          # the filesystem fills up at the
 def save(obj, path, save=checkpoint.save_checkpoint):
     saves[0] += 1
     return save(obj, path)
-checkpoint.OSWrites.write, train.save_checkpoint = write, save
+checkpoint.OSWrites.write, run_folder.save_checkpoint = write, save
 configurator.run_cli(train.main, sys.argv[1:])
 """
 
