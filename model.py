@@ -427,14 +427,15 @@ class RaggedReads:
 
 
 def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=None, full=None,
-                   n_run=None, history=None):
+                   n_run=None, history=None, rule=None):
     """Dense-shaped ragged forward (Eq. 7): every token is computed at every depth, but a token that
     stopped keeps its hidden state, and later tokens read its K/V at min(d, e_j) (RaggedReads). The
     oracle of the paged engine, and the forward of ragged-aware training.
 
     Exits, decided online at each depth from gates <= d: given (`exits`, 1-based, B x T), sampled
-    (`uniforms` B x T x U: exit at d when u_d < λ_d), or by threshold (`taus`, a number or B x T,
-    Eq. 4). `full` (B x T bool): keep running to the last depth after the exit is decided (a dense
+    (`uniforms` B x T x U: exit at d when u_d < λ_d), by threshold (`taus`, a number or B x T,
+    Eq. 4), or by a rule of one's own (`rule(d, normed states, gate logits)` -> who exits at d, B x T:
+    lab/ladder.py's gate-free baseline). `full` (B x T bool): keep running to the last depth after the exit is decided (a dense
     prefill, Ouro mode). Returns exits, gate_logits, the normed exit states, logits at the exit and,
     with targets, the cross-entropy at the exit depth per token and its mean (one logits call)."""
     B, T = idx.shape
@@ -461,6 +462,8 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
         elif uniforms is not None:
             # §5: exit at d with probability λ_d
             now = uniforms[..., d - 1] < torch.sigmoid(gate.detach().to(uniforms.dtype))
+        elif rule is not None:
+            now = rule(d, hn, gate)
         else:
             survive, now = exit_now(survive, gate.detach(), taus)   # Eq. 4, online
         running = last >= d                                         # ran depth d

@@ -153,11 +153,17 @@ def _hops(rng, max_k=4):
     a query of every chain in a random order (`hg na pl ei l8 i9 g3 a5 ; E9 P8 N5 H3`). Only the
     first answer is labelled k: a later one may be told by elimination (the last is the digit no
     earlier answer took)."""
-    k, n = rng.randint(1, max_k), 4
+    return hops_item(rng, rng.randint(1, max_k))
+
+
+def hops_item(rng, k, every_answer=False):
+    """One hops item of k look-ups (_hops); every_answer: all four answers labelled k (the chain digits
+    are drawn with replacement, so that no answer can be had by elimination: lab/ladder.py)."""
+    n = 4
     chains, digits, facts = _chains(rng, [k] * n, HOP_NAMES)
     item = [("".join(name + value + " " for name, value in facts) + ";", 0)]
     for j, i in enumerate(rng.sample(range(n), n)):
-        item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 else 0)]
+        item += [(" " + chains[i][0].upper(), 0), (digits[i], k if j == 0 or every_answer else 0)]
     return item
 
 

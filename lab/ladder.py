@@ -37,15 +37,20 @@ if not __package__:   # run by its path: the project's modules are importable fr
                      "lab.ladder ...")
 import json
 import os
+import random
 import resource
 import sys
 import time
 
+import torch
+
 import prepare_data
 import train
-from checkpoint import write_json
+from checkpoint import load_checkpoint, write_json
 from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
 from lab.reproduce import provenance
+from model import FULL, exit_pdf, forward_ragged
+from tokenizer import load_tokenizer
 
 DEFAULTS = dict(
     stage="pilot",         # which runs: pilot, main, family (the global arm's other priors)
@@ -75,6 +80,9 @@ KL_ENTRY = 0.02                            # rule 2: a global model enters only 
 TARGETS = [1.25, 1.75, 2.25, 2.75, 3.25, 3.75]      # rule 4: whole-item depths
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]   # rule 4: 0.05 .. 0.95
 ITEMS_PER_K = 50                                    # rule 1: a set's items a k
+SETS = {"calibration": 4242, "judging": 2424}       # rule 1: each set's seed (drawn apart, checked disjoint)
+# rule 7: the gate-free baseline's KL thresholds between two loops' next-token distributions
+KL_THRESHOLDS = [round(10 ** (-4 + 4.5 * i / 18), 6) for i in range(19)]       # 1e-4 .. 3.2e0
 
 
 def grid(c):
@@ -138,6 +146,136 @@ def train_run(name, flags, c):
     return done
 
 
+# ----------------------------------------------------------------------------- measuring a model
+
+def item_sets(per_k=ITEMS_PER_K):
+    """Rule 1's item sets: {name: [(pieces, k)]}, per_k hops items a k (1..4) with every answer
+    labelled, drawn on each set's own seed; an item of the judging set that the calibration set
+    holds too is drawn again."""
+    out, seen = {}, set()
+    for name, seed in SETS.items():
+        rng, items = random.Random(seed), []
+        for k in range(1, 5):
+            while len([1 for _, kk in items if kk == k]) < per_k:
+                item = prepare_data.hops_item(rng, k, every_answer=True)
+                text = "".join(p for p, _ in item)
+                if text not in seen:
+                    seen.add(text)
+                    items.append((item, k))
+        out[name] = items
+    return out
+
+
+def encode_items(items, encode):
+    """Token ids of each item after the newline that ends the item before it, and the positions that
+    predict its four answers (the answer's position - 1), with the answers' ids."""
+    out = []
+    for pieces, k in items:
+        ids, asked, answers = encode("\n"), [], []
+        for piece, label in pieces:
+            if label:
+                asked.append(len(ids) - 1)
+                answers.append(encode(piece)[0])
+            ids += encode(piece)
+        out.append((ids, asked, answers, k))
+    return out
+
+
+def batch_of(encoded):
+    """The items right-padded into one batch (causal: the padding reads nothing before it)."""
+    T = max(len(ids) for ids, *_ in encoded) - 1
+    x = torch.zeros(len(encoded), T, dtype=torch.long)
+    for i, (ids, *_) in enumerate(encoded):
+        x[i, :len(ids) - 1] = torch.tensor(ids[:-1])
+    return x
+
+
+def right(logits, encoded):
+    """Answers right per item (0..4), the argmax at each answer-predicting position."""
+    top = logits.argmax(-1)
+    return [sum(int(top[i, p]) == a for p, a in zip(asked, answers))
+            for i, (_, asked, answers, _) in enumerate(encoded)]
+
+
+def depths(exits, encoded, decode=False):
+    """Σ e and the positions it covers per item: the whole item, or its decode (the positions after
+    the first answer-predicting one, the last of the prompt)."""
+    out = []
+    for i, (ids, asked, _, _) in enumerate(encoded):
+        start = asked[0] + 1 if decode else 0
+        e = exits[i, start:len(ids) - 1]
+        out.append((int(e.sum()), len(e)))
+    return out
+
+
+def kl_rule(model, threshold):
+    """Rule 7's exit (gate-free): exit at depth d >= 2 where KL(p_d || p_{d-1}) of the next-token
+    distributions of two consecutive loops is below `threshold` (as Huginn exits zero-shot)."""
+    last = {}
+
+    def rule(d, hn, gate):
+        logp = torch.log_softmax(model.lm_head(hn).double(), -1)
+        before, last["p"] = last.get("p"), logp
+        if before is None:
+            return torch.zeros(hn.shape[:-1], dtype=torch.bool, device=hn.device)
+        return (logp.exp() * (logp - before)).sum(-1) < threshold
+    return rule
+
+
+@torch.no_grad()
+def measure_set(model, encoded):
+    """One set: per item the answers right at fixed@1..U; ETE-Ragged at every τ of TAUS (right, Σ e
+    over the whole item, its exits as digits); Dense-Ragged at every τ (the prompt to the first
+    query at full depth: right, Σ e over the decode); the gate-free rule at every KL threshold;
+    and each position's π(1..U) under the dense forward, in hundredths."""
+    x, U = batch_of(encoded), model.config.n_loops
+    dense = model(x, keep_logits=True)
+    pi = (exit_pdf(dense["gate_logits"]) * 100).round().long()
+    out = dict(k=[k for *_, k in encoded], positions=[len(ids) - 1 for ids, *_ in encoded],
+               fixed=[right(dense["logits"][d], encoded) for d in range(U)],
+               pi=[pi[i, :len(ids) - 1].flatten().tolist() for i, (ids, *_) in enumerate(encoded)],
+               ete={}, dense_ragged={}, gate_free={})
+    prompt = torch.zeros(x.shape, dtype=torch.bool)
+    for i, (_, asked, _, _) in enumerate(encoded):
+        prompt[i, :asked[0] + 1] = True
+    for t in TAUS:
+        o = forward_ragged(model, x, taus=t)
+        out["ete"][str(t)] = dict(right=right(o["logits"], encoded),
+                                  sum_e=[s for s, _ in depths(o["exits"], encoded)],
+                                  exits=["".join(map(str, o["exits"][i, :n].tolist()))
+                                         for i, n in enumerate(out["positions"])])
+        taus = torch.where(prompt, FULL, t).double()
+        o = forward_ragged(model, x, taus=taus)
+        d = depths(o["exits"], encoded, decode=True)
+        out["dense_ragged"][str(t)] = dict(right=right(o["logits"], encoded), sum_e=[s for s, _ in d],
+                                           n=[n for _, n in d])
+    for theta in KL_THRESHOLDS:
+        o = forward_ragged(model, x, rule=kl_rule(model, theta))
+        out["gate_free"][str(theta)] = dict(right=right(o["logits"], encoded),
+                                            sum_e=[s for s, _ in depths(o["exits"], encoded)])
+    return out
+
+
+def measure(folder):
+    """A trained run measured on both item sets, with its final KL(π̄ ‖ prior) (rule 2), into
+    folder/result.json."""
+    model, ckpt = load_checkpoint(folder)
+    model = model.double().eval()
+    encode, _ = load_tokenizer(ckpt["meta"])
+    with open(os.path.join(folder, "log.jsonl")) as f:
+        evals = [r for r in map(json.loads, f) if "val_loss_fixed" in r]
+    made = provenance()
+    result = dict(name=os.path.basename(folder), config={k: ckpt["config"][k] for k in
+                                                         ("prior", "global_kl", "seed")},
+                  final=evals[-1], measured=made,
+                  sets={name: measure_set(model, encode_items(items, encode))
+                        for name, items in item_sets().items()})
+    with open(os.path.join(folder, "stages.json")) as f:
+        result["stages"] = json.load(f)
+    write_json(os.path.join(folder, "result.json"), result)
+    return result
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     set_threads(c["threads"])
@@ -150,6 +288,10 @@ def main(argv):
                         f"{', '.join(runs)}")
     for name in wanted:
         train_run(name, runs[name], c)
+        if not c["quick"] and not os.path.isfile(os.path.join(c["out"], name, "result.json")):
+            started = cpu_seconds()
+            measure(os.path.join(c["out"], name))
+            print(f"== {name}: measured in {cpu_seconds() - started:.0f} CPU s", file=sys.stderr)
 
 
 if __name__ == "__main__":
