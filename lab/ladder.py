@@ -6,6 +6,7 @@ this file before the runs they judge.
     python -m lab.ladder --stage=pilot           # 2 seeds a scope: does any model climb the ladder?
     python -m lab.ladder --stage=main            # 6 seeds a scope (8 if the pilot's learners are few)
     python -m lab.ladder --stage=family          # the global arm's other priors (means 1.75, 3.25)
+    python -m lab.ladder --report                # the verdicts (lab/ladder_claims.py), into RESULTS.md
     python -m lab.ladder --only=lad-local-uniform-s1337        # one run
 
 The rules (set before any run; none changes after a result):
@@ -20,9 +21,10 @@ The rules (set before any run; none changes after a result):
   3. Entry gate (calibration items): fixed@(d+1) - fixed@d above 0, its interval excluding 0, for
      d = 1, 2, 3; fewer than 3 entering models a scope: "untested (no ladder: n of m models)".
   4. Operating points: ETE-Ragged at τ = 0.05 .. 0.95 (19 points) on the calibration items; for each
-     target whole-item depth in TARGETS the τ whose depth is nearest. Those τ are judged on the
-     judging items by lab/claims.py's rule 1 (accuracy over every scored answer, depth = the item's
-     Σe / tokens); Dense-Ragged on the decode of the four answers beside it.
+     target whole-item depth in {1.25, 1.75, .., 3.75} the τ whose depth is nearest. Those τ are
+     judged on the judging items by lab/claims.py's rule 1 (accuracy over every scored answer, depth
+     = the item's Σe / tokens); Dense-Ragged on the decode of the four answers beside it. The
+     verdicts: lab/ladder_claims.py.
   5. Seeds: the pilot first (2 seeds a scope); a scope goes on only if a pilot model enters.
   6. Ragged-aware training (direct, 500 steps) from each entering parent with its two dense
      continuations (the noise floor), judged the same way.
@@ -73,11 +75,11 @@ QUICK = ["--n_layer=1", "--n_embd=32", "--n_head=2", "--n_kv_head=2", "--ffn_hid
 CURRICULUM = [(2, 1000), (4, 3000)]        # (the hardest k of the data, the step the stage ends at)
 QUICK_CURRICULUM = [(2, 4), (4, 12)]
 DATA_TOKENS = 5_000_000                    # each stage's dataset (train + val), as the hops grid's
-PRIORS = {"uniform": 2.5}                  # the pilot's prior in both scopes; its mean
-FAMILY = [1.75, 3.25]                      # the global arm's other prior means
-SEEDS = dict(pilot=2, main=6)              # seeds a scope (main: 8 if the pilot's learners are few)
-KL_ENTRY = 0.02                            # rule 2: a global model enters only this close to its prior
-TARGETS = [1.25, 1.75, 2.25, 2.75, 3.25, 3.75]      # rule 4: whole-item depths
+# the global arm's other priors (rule 2), fixed before their runs: Poisson priors whose means over
+# 1..4 are 1.75 and 3.25 (λ found by bisection to 3 decimals), beside the uniform one (mean 2.5)
+FAMILY = {"poisson1.325": ["--prior=poisson", "--prior_lambda=1.325"],
+          "poisson6.311": ["--prior=poisson", "--prior_lambda=6.311"]}
+SEEDS = dict(pilot=2, main=6, family=3)    # seeds a scope (main: 8 if the pilot's learners were ~1/3)
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]   # rule 4: 0.05 .. 0.95
 ITEMS_PER_K = 50                                    # rule 1: a set's items a k
 SETS = {"calibration": 4242, "judging": 2424}       # rule 1: each set's seed (drawn apart, checked disjoint)
@@ -87,8 +89,7 @@ KL_THRESHOLDS = [round(10 ** (-4 + 4.5 * i / 18), 6) for i in range(19)]       #
 
 def grid(c):
     """Every run of the stage: name -> train.py's objective flags."""
-    n = SEEDS["main" if c["stage"] == "family" else c["stage"]]
-    seeds = [c["seed"] + i for i in range(n)]
+    seeds = [c["seed"] + i for i in range(SEEDS[c["stage"]])]
     runs = {}
     if c["stage"] in ("pilot", "main"):
         for scope in ("local", "global"):
@@ -96,8 +97,9 @@ def grid(c):
                 runs[f"lad-{scope}-uniform-s{seed}"] = ["--prior=uniform", f"--seed={seed}"] + (
                     ["--global_kl"] if scope == "global" else [])
     else:
-        raise UserError("--stage=family: the prior family's runs come after the pilot reads a "
-                        "ladder (rule 5); not built yet")
+        for prior, flags in FAMILY.items():
+            for seed in seeds:
+                runs[f"lad-global-{prior}-s{seed}"] = flags + [f"--seed={seed}", "--global_kl"]
     return runs
 
 
