@@ -15,7 +15,8 @@ which run_cli() prints as one line naming the key. `-h` / `--help` prints the sc
 and every key with its default, its comment (read from the script's source) and its rule.
 
 Rules: a list (the allowed values); a string: '>= 1', '> 0', '<= 8', 'in [0, 1]', 'in (0, 1]',
-'in [0, 1)', or 'floats in [0, 1]' (a comma-separated list of numbers, each in the interval);
+'in [0, 1)', 'floats in [0, 1]' or 'ints >= 1' (a comma-separated list of numbers, each in the
+range; every list is read by split_list: an empty item or a stray comma is refused, by position);
 or a function value -> error text (None when fine). A key left at a default of None is "unset"
 and not checked. Beside RULES a script may declare NEEDS: the keys that act only with another
 setting (--cf_thr only with --ra_method=counterfactual); set without it, such a key is refused.
@@ -160,11 +161,14 @@ def check(key, value, rule):
         if problem:
             raise UserError(f"--{key}={value!r}: {problem}")
         return
-    if rule.startswith("floats "):
-        items = [s.strip() for s in str(value).split(",") if s.strip()]
-        numbers = [_number(s) for s in items]
-        if not items or any(v is None or not _in_range(v, rule[7:]) for v in numbers):
-            raise UserError(f"--{key}={value!r}: expected comma-separated numbers, each {rule[7:]}")
+    if rule.startswith(("floats ", "ints ")):
+        kind, bound = rule.split(" ", 1)
+        numbers = split_list(key, value, float if kind == "floats" else int)
+        if not numbers:
+            raise UserError(f"--{key}={value!r}: expected comma-separated numbers, each {bound}")
+        for i, v in enumerate(numbers, 1):
+            if not (math.isfinite(v) and _in_range(v, bound)):
+                raise UserError(f"--{key}={value!r}: item {i} ({v}) must be {bound}")
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _in_range(value, rule):
         raise UserError(f"--{key}={value!r}: must be a number {rule}")
@@ -229,6 +233,26 @@ MODEL_RUN = dict(
     tiktoken_file="",      # gpt2.tiktoken ranks file for GPT-2 tokenized checkpoints, offline
 )
 MODEL_RUN_RULES = dict(device=device_rule, threads=THREADS_RULE, dtype=list(DTYPES))
+
+
+def split_list(key, value, kind=str):
+    """The one reading of a list, a flag's or a request field's: comma-separated items, each a
+    `kind` (str, int or float); an empty item (a stray or trailing comma) or one that is not a
+    `kind` is a UserError naming the key and the item's position. An empty value: an empty list."""
+    text = str(value).strip()
+    if not text:
+        return []
+    out = []
+    for i, item in enumerate(text.split(","), 1):
+        item = item.strip()
+        if not item:
+            raise UserError(f"--{key}={value!r}: item {i} is empty (a stray comma?)", key)
+        try:
+            out.append(kind(item))
+        except ValueError:
+            what = {int: "an integer", float: "a number"}.get(kind, "a value")
+            raise UserError(f"--{key}={value!r}: item {i} ({item!r}) is not {what}", key)
+    return out
 
 
 def _number(s):
@@ -404,7 +428,8 @@ def library(doc, use, argv=None):
     argv = sys.argv[1:] if argv is None else argv
     name = command(sys.argv[0])
     name = f"python {name}" if name.startswith("-m ") else name
-    what = re.split(r"[.:;](?:\s|$)", " ".join(doc.strip().split("\n\n")[0].split()))[0]
+    # the first sentence: up to a full stop, colon or semicolon, but not one of the paper's "App. A.2"
+    what = re.split(r"(?<!App)(?<!Eq)(?<!Fig)[.:;](?:\s|$)", " ".join(doc.strip().split("\n\n")[0].split()))[0]
     if argv and all(a in ("-h", "--help") for a in argv):
         print(f"{name}: {what}\nA library module, not a command: {use}")
         raise SystemExit(0)

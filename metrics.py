@@ -9,7 +9,7 @@ import math
 import numpy as np
 import torch
 
-from configurator import UserError
+from configurator import UserError, split_list
 from model import exit_pdf, exit_stats, forward_ragged
 from objectives import kl_global, kl_local
 
@@ -78,7 +78,7 @@ def spearman(a, b):
 
 def eval_thresholds(c):
     """--eval_thr's values, in order, each once (checked by RULES; a value given twice is refused)."""
-    thrs = [float(t) for t in str(c.eval_thr).split(",") if t.strip()]
+    thrs = split_list("eval_thr", c.eval_thr, float)
     if len(set(thrs)) != len(thrs):
         raise UserError(f"--eval_thr={c.eval_thr}: a threshold given twice; give each once")
     return thrs

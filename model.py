@@ -435,9 +435,10 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     Exits, decided online at each depth from gates <= d: given (`exits`, 1-based, B x T), sampled
     (`uniforms` B x T x U: exit at d when u_d < λ_d), by threshold (`taus`, a number or B x T,
     Eq. 4), or by a rule of one's own (`rule(d, normed states, gate logits)` -> who exits at d, B x T:
-    lab/ladder.py's gate-free baseline). `full` (B x T bool): keep running to the last depth after the exit is decided (a dense
-    prefill, Ouro mode). Returns exits, gate_logits, the normed exit states, logits at the exit and,
-    with targets, the cross-entropy at the exit depth per token and its mean (one logits call)."""
+    lab/ladder.py's gate-free baseline). `full` (B x T bool): keep running to the last depth after
+    the exit is decided (a dense prefill, Ouro mode). Returns exits, gate_logits, the normed exit
+    states, logits at the exit and, with targets, the cross-entropy at the exit depth per token and
+    its mean (one logits call)."""
     B, T = idx.shape
     U = n_run or model.config.n_loops
     dev = idx.device

@@ -32,7 +32,7 @@ import torch
 
 from checkpoint import load_for_script
 from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError,
-                          check_needs, parse, run_cli, set_threads)
+                         check_needs, parse, run_cli, set_threads, split_list)
 from kernels import IMPLS
 from model import check_prompt, exit_stats
 from engine.request import Request
@@ -96,10 +96,7 @@ def check_args(c, U, given):
 
 def prompt_ids(c, meta, encode):
     if c["prompt_ids"] != "":
-        try:
-            return [int(t) for t in str(c["prompt_ids"]).split(",") if t.strip() != ""]
-        except ValueError:
-            raise UserError(f"--prompt_ids={c['prompt_ids']!r}: expected comma-separated integers")
+        return split_list("prompt_ids", c["prompt_ids"], int)
     text = c["prompt"]
     if text.startswith("FILE:"):
         path = text[5:]

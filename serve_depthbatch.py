@@ -200,8 +200,10 @@ class Engine:
     cancellation and checks, over a runner: "eager" (EagerRunner, the reference) or "slots"
     (engine/slots.py, the same pass as CUDA graphs), with its options. Call add() and step() from one
     thread (server.py runs them on an engine thread); Request.cancelled may be set from anywhere.
-    stats counts what it did (passes in which a row ran, rows, preemptions, replayed rows, the most
-    requests in flight, LM-head calls and the tokens they sampled; the slot runner adds its own)."""
+    It holds a request from add() to its end, then lets go of it (its caller keeps what it needs),
+    so that its memory is bounded by what is in flight. stats counts what it did (passes in which
+    a row ran, rows, preemptions, replayed rows, the most requests in flight, LM-head calls and the
+    tokens they sampled, requests finished; the slot runner adds its own)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous",
                  attn="auto", head="eager", runner="eager", **options):
@@ -218,9 +220,9 @@ class Engine:
         check_pool(model, kv_pages)
         self.pool = PagePool.for_model(model, kv_pages)
         self.scheduler = Scheduler(self.pool, self.U, max_batch, max_rows, scheduler)
-        self.finished, self.next_id = [], 0
+        self.next_id = 0
         self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0,
-                          head_calls=0, head_rows=0)
+                          head_calls=0, head_rows=0, finished=0)
         if runner == "slots":
             self.runner = SlotRunner(model, self.pool, self.stats, attn, head, scheduler, max_batch,
                                      max_rows, **options)
@@ -403,8 +405,8 @@ class Engine:
         if s.seq is not None:
             r.kv = dict(self._release(s), block_evals=s.evals_before)
         r.finish_reason, r.error = reason, error
-        self.scheduler.remove(s)
-        self.finished.append(r)
+        self.scheduler.remove(s)          # nothing here keeps it: its owner holds the request
+        self.stats["finished"] += 1
         if r.on_token is not None:
             r.on_token(r, None)                              # None: the request has ended
 

@@ -10,7 +10,9 @@ Train a looped LM with an exit-prior objective (paper §4, App. B).
     torchrun --standalone --nproc_per_node=2 train.py # data parallel (gloo on CPU, nccl on CUDA)
 
 A resume takes every setting from the checkpoint: --data_dir, --log_interval, --eval_interval, --eval_iters
-and --eval_thr may be given anew, --stop_iter, --device, --compile and --backend are this process's own,
+and --eval_thr may be given anew, and --max_iters raised to train on past the run's end (a finished run
+too: from there the schedules are those of a run of the new length, extend_run), --stop_iter, --device,
+--compile and --backend are this process's own,
 any other flag given with another value than the run's is refused. A flag that acts only with another
 (NEEDS: --cf_thr without --ra_method=counterfactual, say) is refused without it.
 
@@ -142,7 +144,7 @@ MODEL_KEYS = ["n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "n_loops
 # and every other key defines the run (given with another value: refused)
 RESUME_OWN = ["init_from", "out_dir", "stop_iter", "eval_only", "device", "compile", "backend",
               "threads", "overwrite"]
-RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr"]
+RESUME_MAY_CHANGE = ["data_dir", "log_interval", "eval_interval", "eval_iters", "eval_thr", "max_iters"]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -156,7 +158,9 @@ def train_loop(c, run, iter_num, resumed_at):
     if iter_num >= last:
         if run.master:
             print(f"the checkpoint is at iter {iter_num} already (max_iters={c.max_iters}, stop_iter={c.stop_iter}): "
-                  "nothing to do; raise --max_iters to train on", file=sys.stderr)
+                  f"nothing to do; to train on, resume with a larger --max_iters (--init_from=resume "
+                  f"--max_iters={2 * max(iter_num, 1)}), or branch a run of its own from it "
+                  "(--branch_from=DIR --out_dir=NEW)", file=sys.stderr)
         return None
     from tqdm import tqdm
     bar = tqdm(total=last, initial=iter_num, desc="train", unit="it", file=sys.stderr, dynamic_ncols=True,
@@ -407,6 +411,27 @@ def dataset_meta(c, master, world):
     return meta
 
 
+def extend_run(c, saved, iter_num, master):
+    """A resume may raise --max_iters and train on past the run's end (a finished run included),
+    with its optimizer state and its data order. The rule of the schedules: from the resumed step on,
+    the learning rate and β are those of a run of the new length (the cosine decay reaches min_lr at
+    the new max_iters, App. B's β knots are fractions of it; a decay end given with --lr_decay_iters
+    stays where it was), so the steps after the resume are those of a run trained at the new length
+    from the start; the steps before followed the old length's schedules. Says so on stderr."""
+    if c.max_iters == saved["max_iters"]:
+        return
+    if c.max_iters < iter_num:
+        raise UserError(f"--max_iters={c.max_iters}: the checkpoint in {c.out_dir} is at iter "
+                        f"{iter_num} already; a resume trains on to a larger --max_iters")
+    if master:
+        end = c.lr_decay_iters if c.lr_decay_iters > 0 else c.max_iters
+        lr = f"cosine decay to iter {end}" if c.decay_lr else "a constant learning rate"
+        beta = f"App. B's β schedule over {c.max_iters}" if c.beta is None else f"β {c.beta}"
+        print(f"extending the run from {saved['max_iters']} to {c.max_iters} iterations: from iter "
+              f"{iter_num} on, the schedules are a {c.max_iters}-iteration run's ({lr}; {beta})",
+              file=sys.stderr)
+
+
 def start_model(c, meta, device, master, data_gen, exit_gen, given=()):
     """A new model, a resumed run (weights, optimizer and random states exactly where they stopped)
     or a branch (a parent's weights, a fresh optimizer). Returns (model, optimizer, iter_num,
@@ -423,6 +448,7 @@ def start_model(c, meta, device, master, data_gen, exit_gen, given=()):
                                 + ", ".join(f"--{m}" for m in RESUME_MAY_CHANGE))
             if k not in given:
                 setattr(c, k, saved[k])
+        extend_run(c, saved, ckpt["iter_num"], master)
         optimizer = make_optimizer(model, c, device)
         optimizer.load_state_dict(ckpt["optimizer"])
         data_gen.set_state(ckpt["data_rng"])

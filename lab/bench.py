@@ -20,8 +20,10 @@ Training target (App. C): direct RA, averaged over a dense + ragged pair, costs 
 step; counterfactual and REINFORCE cost more.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a "
-                     "module: python -m lab.bench ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.bench ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 import statistics
@@ -34,7 +36,8 @@ import torch
 from lab.bench_engine import bench_engine, bench_model
 from lab.bench_gpu import bench_gpu
 from checkpoint import load_checkpoint
-from configurator import SEED_RULE, THREADS_RULE, UserError, device_rule, parse, run_cli, set_threads
+from configurator import (SEED_RULE, THREADS_RULE, UserError, check, device_rule, parse, run_cli,
+                         set_threads, split_list)
 from kernels import IMPLS
 from model import GPTConfig, LoopedLM, generate
 from objectives import Objective, exit_prior, n_uniforms, train_step
@@ -84,11 +87,10 @@ RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">=
              requests=">= 0", rounds=">= 1", kv_pages=">= 0", max_rows=">= 1", attn=IMPLS,
              device=device_rule, shape=["realistic", "small_vocab"], vocab="in [0, 1000000]",
              workload=["queue", "batch", "both"], head=HEADS,
-             sampling=lambda v: None if v and set(v.split(",")) <= {"greedy", "paper"} else
-             "expected greedy, paper or greedy,paper",
-             batches=lambda v: None
-             if all(s.strip().isdigit() and int(s) > 0 for s in v.split(",")) or not v
-             else "expected comma-separated positive integers", gpu_shape=["ouro1.4b", "tiny"])
+             sampling=lambda v: None if v and set(split_list("sampling", v)) <= {"greedy", "paper"}
+             else "expected greedy, paper or greedy,paper",
+             batches=lambda v: check("batches", v, "ints >= 1") if v else None,
+             gpu_shape=["ouro1.4b", "tiny"])
 # which --what each key is for (its comment says so too): set for another, it would do nothing, and
 # is refused
 FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode",
@@ -129,7 +131,7 @@ def bench_decode(c):
     N = c["new_tokens"]
     if c["prompt_len"] + N > model.config.block_size:
         raise UserError(f"prompt_len + new_tokens = {c['prompt_len'] + N} exceeds block_size {model.config.block_size}")
-    thrs = [float(t) for t in str(c["thr"]).split(",")]
+    thrs = split_list("thr", c["thr"], float)
 
     def engine_run(mode, thr):
         r = Request(prompt, N, mode, thr, depth=U if mode == "fixed" else 0)

@@ -11,8 +11,10 @@ fixed@U >= 1.0 x the Ouro way. `--ouro_code PATH/modeling_ouro.py` adds the publ
 throughput window, the bound, the cost model) is in docs/benchmarks.md.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.bench_engine ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.bench_engine ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import math
 import random
 import sys
@@ -23,7 +25,7 @@ import torch
 from lab.bench_gpu import ouro_way
 from lab.ouro_code import ouro_code_generate, ouro_code_model
 from checkpoint import load_checkpoint
-from configurator import UserError, resolve_device
+from configurator import UserError, resolve_device, split_list
 from model import GPTConfig, LoopedLM
 from engine.request import Request
 from engine.shared_head import HEADS, weight_bytes
@@ -192,7 +194,7 @@ def batch_bench(model, c, thr, batches, bar, hf=None):
         ("continuous", m, h) for m in ("dense_ragged", "ete_ragged") for h in HEADS] + (
         [("ouro_code", "fixed", "-")] if hf is not None else [])
     order, runs = random.Random(c["seed"]), []
-    for sampling in c["sampling"].split(","):
+    for sampling in split_list("sampling", c["sampling"]):
         for B in batches:
             g = torch.Generator().manual_seed(c["seed"] + B)
             prompts = torch.randint(0, model.config.vocab_size, (B, n_prompt), generator=g).tolist()
@@ -274,7 +276,7 @@ def bench_engine(c):
         keep_heap()
     model = engine_model(c)
     cfg, U = model.config, model.config.n_loops
-    batches = [1, 4, 8, 32] if not c["batches"] else [int(b) for b in str(c["batches"]).split(",")]
+    batches = [1, 4, 8, 32] if not c["batches"] else split_list("batches", c["batches"], int)
     # the queue's requests (and the capacity table's)
     queue = c["workload"] != "batch" or c["capacity"]
     prompts, outputs, batch = LENGTHS[size_of(c)]
@@ -463,12 +465,12 @@ def bench_runs(model, work, configs, thr, batch, kv_pages, max_rows, attn, bar=N
     progress = lambda run: (sum(len(r.tokens) for r in run["reqs"]) / total, order.random())
     while any(run["engine"].busy() for run in runs):
         run = min((run for run in runs if run["engine"].busy()), key=progress)
-        turn, done = time.perf_counter(), len(run["engine"].finished)
+        turn, done = time.perf_counter(), run["engine"].stats["finished"]
         timed_step(run)                                       # a turn is at least one step
         while run["engine"].busy() and time.perf_counter() - turn < TURN:
             timed_step(run)
         if bar is not None:
-            bar.update(len(run["engine"].finished) - done)
+            bar.update(run["engine"].stats["finished"] - done)
     return [bench_record(run, thr, batch) for run in runs]
 
 
@@ -476,7 +478,7 @@ def timed_step(run):
     """One engine step, timed; counted in the throughput window from the end of the first request
     to the last admission."""
     e, counts = run["engine"], run["counts"]
-    measured = len(e.scheduler.waiting) > 0 and len(e.finished) > 0
+    measured = len(e.scheduler.waiting) > 0 and e.stats["finished"] > 0
     before = counts["prefill_rows"], counts["decode_rows"]
     t0 = time.perf_counter()
     out = counted_step(e, counts)

@@ -35,8 +35,10 @@ kernels: equal tokens and exits), and the graphed Ouro way against graphed fixed
 they compute alike but not bit for bit).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.bench_gpu ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.bench_gpu ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import math
 import os
@@ -46,6 +48,7 @@ import time
 
 import torch
 
+from configurator import split_list
 from kernels import splits_for
 from lab import gpu_counts
 from lab.gpu_counts import captured_launches, inductor_launches
@@ -446,7 +449,7 @@ def bench_gpu(c):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(device).type == "cuda"
-    batches = [int(b) for b in (c["batches"] or "1,8,32").split(",")]
+    batches = split_list("batches", c["batches"] or "1,8,32", int)
     g = torch.Generator().manual_seed(c["seed"])
     vocab = SHAPES[c["gpu_shape"]]["vocab_size"]
     prompts = {B: torch.randint(0, vocab, (B, N_PROMPT), generator=g).tolist() for B in batches}

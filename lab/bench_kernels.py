@@ -14,8 +14,10 @@ copy). Targets on an H200: >= 70% of copy bandwidth at batch 32 / context 4k, an
 contiguous baseline at equal work. Then it runs the engine benchmark with --attn=triton.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.bench_kernels ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.bench_kernels ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 import sys
@@ -27,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # imported after the switch: Triton reads it when it is imported
-from configurator import SEED_RULE, UserError, parse, run_cli
+from configurator import SEED_RULE, UserError, parse, run_cli, split_list
 from kernels import paged_attention_flex, paged_attention_torch, paged_attention_triton
 
 DEFAULTS = dict(
@@ -41,10 +43,7 @@ DEFAULTS = dict(
     engine=True,           # then the engine benchmark with --attn=triton
     seed=0,                # seeds the inputs
 )
-RULES = dict(batches=lambda v: None if all(s.strip().isdigit() for s in v.split(","))
-             else "comma-separated integers",
-             contexts=lambda v: None if all(s.strip().isdigit() for s in v.split(","))
-             else "comma-separated integers",
+RULES = dict(batches="ints >= 1", contexts="ints >= 1",
              heads=">= 1", head_dim=">= 16", iters=">= 1", rotate=">= 1", seed=SEED_RULE)
 
 
@@ -118,8 +117,8 @@ def timings(c, copy_bw):
     except ImportError:
         flash_attn_with_kvcache = None
     rows = []
-    for B in [int(x) for x in c["batches"].split(",")]:
-        for ctx in [int(x) for x in c["contexts"].split(",")]:
+    for B in split_list("batches", c["batches"], int):
+        for ctx in split_list("contexts", c["contexts"], int):
             kv_bytes = 2 * B * ctx * H * D * 2                      # K and V, bf16
             # rotate while memory allows
             sets = max(1, min(c["rotate"], (8 << 30) // max(kv_bytes, 1)))

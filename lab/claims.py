@@ -24,8 +24,10 @@ Read top to bottom: the grid's names and rows; the frontier (Figure 1); large ju
 training; flat β over training (Figure 7).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.claims ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.claims ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import itertools
 
 import numpy as np

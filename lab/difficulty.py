@@ -7,8 +7,10 @@ Spearman against the model's shuffled exits, on the models that learn past one l
 scopes compared at matched mean depth).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.difficulty ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.difficulty ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import numpy as np
 
 from lab.claims import (GRADED_SEEDS, MIN_MODELS, POINTER_TASKS, TASK_PRIORS, THRS, base_runs,

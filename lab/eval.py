@@ -19,8 +19,10 @@ Outputs in --out: results.json, records.jsonl (one line per item per mode; any f
 recomputed from it) and frontier.png.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a "
-                     "module: python -m lab.eval ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.eval ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import contextlib
 import json
 import math
@@ -32,7 +34,7 @@ import torch
 
 from checkpoint import load_for_script, write_json
 from configurator import (MODEL_RUN, MODEL_RUN_RULES, SAMPLING_NEEDS, SEED_RULE, UserError,
-                          check_writable, parse, run_cli, set_threads)
+                         check_writable, parse, run_cli, set_threads, split_list)
 from kernels import IMPLS
 from model import exit_stats
 from modes import MODES, SCORED, continuation_logprobs
@@ -86,9 +88,7 @@ RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_mult
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0",
              batch_size=">= 1", max_batch=">= 1", kv_pages=">= 0", attn=IMPLS,
              head=["auto"] + HEADS, runner=RUNNERS, seed=SEED_RULE, **MODEL_RUN_RULES,
-             k=lambda v: None
-             if all(s.strip().isdigit() and int(s) > 0 for s in str(v).split(",")) else
-             "expected comma-separated positive integers")
+             k="ints >= 1")
 # the keys that act only with another setting: refused without it (they would do nothing)
 builtin = ("--builtin=synthetic (or another suite)", lambda c: c["builtin"])
 NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin,
@@ -101,7 +101,7 @@ NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin
 def parse_modes(text, U):
     """'fixed@2,ete_ragged@0.5' -> [(mode, thr, depth)] (thr None for fixed, depth None otherwise)."""
     out = []
-    for part in [p.strip() for p in text.split(",") if p.strip()]:
+    for part in split_list("modes", text):
         mode, _, arg = part.partition("@")
         try:
             value = float(arg)
@@ -256,8 +256,8 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
         done = 0
         while engine.busy():
             engine.step()
-            bar.update(len(engine.finished) - done)
-            done = len(engine.finished)
+            bar.update(engine.stats["finished"] - done)
+            done = engine.stats["finished"]
     failed = [r for r in reqs if r.finish_reason == "error"]
     if failed:
         raise UserError(f"--kv_pages: {failed[0].error}")
@@ -396,10 +396,10 @@ def merge_repeated(argv, key):
 def check_args(c):
     """Everything about the flags that can be refused before a model loads; returns the k of pass@k
     and the tasks read from --task files {name: items}."""
-    ks = [int(k) for k in str(c["k"]).split(",")]
+    ks = split_list("k", c["k"], int)
     if max(ks) > c["n"]:
         raise UserError(f"--k={c['k']}: pass@k needs k <= --n={c['n']} rollouts per item")
-    files = [t for t in c["task"].split(",") if t]
+    files = split_list("task", c["task"])
     if not files and not c["builtin"] and not c["lm_eval"]:
         raise UserError("--task: give task files (JSONL), --builtin synthetic, or --lm_eval tasks")
     tasks = {os.path.splitext(os.path.basename(f))[0]: load_task(f) for f in files}
@@ -417,7 +417,7 @@ def mode_specs(c, U):
     """The (mode, thr, depth) to score: the App. E.1 sweep, or --modes (default fixed@U and both
     ragged modes at τ 0.5)."""
     if c["sweep"]:
-        thrs = [float(t) for t in c["thresholds"].split(",")]
+        thrs = split_list("thresholds", c["thresholds"], float)
         return [("fixed", None, k) for k in range(1, U + 1)] + [(m, t, None) for m in ("dense_ragged", "ete_ragged")
                                                                 for t in thrs]
     return parse_modes(c["modes"] or f"fixed@{U},dense_ragged@0.5,ete_ragged@0.5", U)
@@ -459,11 +459,11 @@ def main(argv):
     c = parse(merge_repeated(list(argv), "task"), DEFAULTS, RULES, __file__, needs=NEEDS)
     set_threads(c["threads"])
     if c["convert"]:
-        unknown = [n for n in c["convert"].split(",") if n not in BENCHMARKS]
+        unknown = [n for n in split_list("convert", c["convert"]) if n not in BENCHMARKS]
         if unknown:
             raise UserError(f"--convert: unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
         check_writable(c["out"], "out")
-        return convert(c["convert"].split(","), c["out"])
+        return convert(split_list("convert", c["convert"]), c["out"])
     ks, tasks = check_args(c)
     model, meta, encode, decode, eos = load_for_script(c)
     U = model.config.n_loops

@@ -15,8 +15,10 @@ generation_config.json), so that the folder is whole. Needs the optional `safete
 `tokenizers` for tokenizer.json; a GPT-2 tokenized checkpoint offline: --tiktoken_file).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.export_ouro ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.export_ouro ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import sys
 
 import torch

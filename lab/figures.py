@@ -5,8 +5,10 @@ and 7), exits by difficulty, and the graded task per k with its compute-matched 
 Needs the optional matplotlib.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.figures ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.figures ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import os
 
 import numpy as np

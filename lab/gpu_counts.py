@@ -8,8 +8,10 @@ and the host's time a pass, on a batch or a queue. lab/bench_gpu.py reports them
 shape; tests/test_slots.py holds the tiny shape's.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.gpu_counts ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.gpu_counts ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import contextlib
 import os
 import time

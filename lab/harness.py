@@ -3,9 +3,11 @@ lab/eval.py's adapter to lm-evaluation-harness (`python -m lab.eval --lm_eval TA
 mode as a harness LM, so that its task zoo runs as is (log-likelihood, rolling, generation).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.harness ...")
-from configurator import UserError
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.harness ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
+from configurator import UserError, split_list
 from engine.request import Request
 from modes import continuation_logprobs
 
@@ -76,7 +78,7 @@ def check_tasks(c):
         raise UserError("--lm_eval needs the optional lm-eval package (pip install lm-eval) and "
                         "its tasks' datasets")
     known = set(TaskManager(include_path=c["lm_eval_include"] or None).all_tasks)
-    unknown = [t for t in c["lm_eval"].split(",") if t and t not in known]
+    unknown = [t for t in split_list("lm_eval", c["lm_eval"]) if t not in known]
     if unknown:
         raise UserError(f"--lm_eval={c['lm_eval']}: unknown task {unknown[0]!r} (lm-eval knows "
                         f"{len(known)} tasks; --lm_eval_include adds task YAMLs of your own)")
@@ -92,7 +94,7 @@ def run(model, encode, decode, specs, c, device, make_engine):
         try:
             res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, encode, decode, *spec,
                                                                 c, device, make_engine),
-                                          tasks=[t for t in c["lm_eval"].split(",") if t],
+                                          tasks=split_list("lm_eval", c["lm_eval"]),
                                           num_fewshot=c["shots"] or None, limit=c["limit"] or None,
                                           task_manager=manager)
         except (UserError, KeyboardInterrupt):

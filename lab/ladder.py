@@ -35,8 +35,10 @@ Each run writes its folder under --out (ckpt.pt, log.jsonl, stages.json: each st
 time and CPU seconds); runs are resumable stage by stage.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.ladder ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.ladder ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 import random
@@ -49,7 +51,8 @@ import torch
 import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
-from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
+from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli,
+                         set_threads, split_list)
 from lab.reproduce import provenance
 from model import FULL, exit_pdf, forward_ragged
 from tokenizer import load_tokenizer
@@ -283,7 +286,7 @@ def main(argv):
     set_threads(c["threads"])
     check_writable(c["out"], "out")
     runs = grid(c)
-    wanted = [n for n in str(c["only"]).split(",") if n] or list(runs)
+    wanted = split_list("only", c["only"]) or list(runs)
     unknown = [n for n in wanted if n not in runs]
     if unknown:
         raise UserError(f"--only: unknown run {unknown[0]!r}; runs of --stage={c['stage']}: "

@@ -9,8 +9,10 @@ each fixed depth and at every threshold of each mode, with the Σ e its position
 recomputes from it.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.ladder_claims ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.ladder_claims ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 

@@ -3,8 +3,10 @@ The public Ouro modeling code as a benchmark row (`python -m lab.bench --what=en
 PATH/modeling_ouro.py`): the same weights opened by Ouro's own code, and its own `generate`.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.ouro_code ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.ouro_code ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 import shutil

@@ -7,8 +7,10 @@ lab/reproduce.py writes it after its runs (and alone with --report); lab/claims.
 lab/difficulty.py compute the rows, which claims() puts in the report's order.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.report ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.report ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import os
 
 import numpy as np

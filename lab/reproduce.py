@@ -38,8 +38,10 @@ Resumable: a run whose result.json exists is skipped, one with a checkpoint resu
 --out (checkpoints, logs, result.json per run; RESULTS.md and figures/*.png at the top).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a module: python -m "
-                     "lab.reproduce ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.reproduce ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import contextlib
 import json
 import os
@@ -56,7 +58,8 @@ import prepare_data
 import train
 from checkpoint import load_checkpoint, write_json
 from lab.claims import GRADED_SEEDS, MAX_K, POINTER_TASKS, RA_METHODS, TASK_PRIORS, THRS
-from configurator import SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli, set_threads
+from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli,
+                         set_threads, split_list)
 from lab.figures import draw
 from lab.report import write_results
 from model import forward_ragged
@@ -383,7 +386,7 @@ def main(argv):
         if importlib.util.find_spec("matplotlib") is None:
             raise UserError("--plots needs the optional matplotlib (pip install matplotlib), or give --plots=False")
     runs = grid(c)
-    wanted = [n for n in str(c["only"]).split(",") if n] or list(runs)
+    wanted = split_list("only", c["only"]) or list(runs)
     unknown = [n for n in wanted if n not in runs]
     if unknown:
         raise UserError(f"--only: unknown run {unknown[0]!r}; runs: {', '.join(runs)}")

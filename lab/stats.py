@@ -6,8 +6,10 @@ two scopes); random streams of their own for things drawn apart; Spearman's rank
 a shuffle null. numpy only; nothing here knows what a run is.
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a "
-                     "module: python -m lab.stats ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.stats ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import itertools
 import math
 import zlib

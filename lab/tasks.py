@@ -14,8 +14,10 @@ with the answer, for models trained on raw text), "difficulty", "max_tokens", "a
 difficulty of each token of an answer of several).
 """
 if not __package__:   # run by its path: the project's modules are importable from its root only
-    raise SystemExit("error: a lab script runs from the project root as a "
-                     "module: python -m lab.tasks ...")
+    import sys
+    print("error: a lab script runs from the project root as a module: python -m "
+          "lab.tasks ...", file=sys.stderr)
+    raise SystemExit(2)   # a mistake of the user's: exit 2, as everywhere
 import json
 import os
 import random

@@ -181,7 +181,7 @@ CASES = [
     (sample, ["--ckpt=ckpt-int"], "ckpt"),
     # a resume is the run it resumes; --eval_only evaluates a checkpoint or refuses
     (train, ["--init_from=resume", "--prior=geometric"], "prior"),
-    (train, ["--init_from=resume", "--max_iters=50"], "max_iters"),
+    (train, ["--init_from=resume", "--max_iters=1"], "max_iters"),
     (train, ["--eval_only", "--out_dir=fresh"], "eval_only"),
     # a flag that would do nothing
     (train, ["--ra_method=reinforce"], "ra_method"), (train, ["--cf_thr=0.3"], "cf_thr"),
@@ -189,6 +189,11 @@ CASES = [
     (sample, ["--temperature=0", "--top_p=0.9"], "top_p"), (eval_py, ["--thresholds=0.3"], "thresholds"),
     (server, ["--kv_pages=100", "--kv_memory=1.0"], "kv_memory"), (bench, ["--gpu_shape=tiny"], "gpu_shape"),
     (sample, ["--runner=slots", "--head=shared", "--max_new_tokens=5"], "head"),
+    # lists read strictly: an empty item, a stray comma or a non-number is named by its position
+    (sample, ["--prompt_ids=1,,2"], "prompt_ids"), (sample, ["--prompt_ids=1,2,"], "prompt_ids"),
+    (train, ["--eval_thr=0.5,"], "eval_thr"), (eval_py, ["--builtin=synthetic", "--k=1,x"], "k"),
+    (eval_py, ["--builtin=synthetic", "--modes=fixed@1,,fixed@2"], "modes"),
+    (bench, ["--what=engine", "--batches=1,,4"], "batches"), (bench_kernels, ["--contexts=64,"], "contexts"),
 ]
 
 
@@ -258,11 +263,12 @@ def test_every_file_run_as_a_script_answers_help_and_refuses_the_rest(name, monk
         assert exit_code == code, (name, argv, out, err)
         if code == 0:
             assert out.strip() and ((f"python -m lab.{name[4:-3]}" if lab else name) in out or "usage:" in out)
+            assert not re.search(r"\((App|Eq|Fig)\)", out), out          # "(App. A.2)" cut short at its stop
         else:
             assert len(err.strip().splitlines()) == 1 and err.startswith("error:"), err
     if lab:
         done = subprocess.run([sys.executable, path, "--help"], capture_output=True, text=True, cwd=ROOT)
-        assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
             f"error: a lab script runs from the project root as a module: python -m lab.{name[4:-3]} ..."]
 
 

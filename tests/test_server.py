@@ -145,9 +145,11 @@ def test_http_bad_requests_are_400_and_the_server_keeps_serving(http_server, bod
     assert status == 200
 
 
-def test_http_client_disconnect_cancels_and_frees_pages(http_server):
+def test_http_client_disconnect_cancels_and_frees_pages(http_server, monkeypatch):
     url, engine, _, _ = http_server
     host, port = url[7:].split(":")
+    added, add = [], engine.add
+    monkeypatch.setattr(engine, "add", lambda r: added.append(r) or add(r))
     body = json.dumps({"prompt": "the", "max_tokens": 50, "stream": True, "temperature": 0}).encode()
     sock = socket.create_connection((host, int(port)))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -164,7 +166,7 @@ def test_http_client_disconnect_cancels_and_frees_pages(http_server):
             break
         time.sleep(0.05)
     assert h["free_pages"] == engine.pool.n_pages and h["running"] == 0
-    cancelled = [r for r in engine.finished if r.finish_reason == "cancelled"]
+    cancelled = [r for r in added if r.finish_reason == "cancelled"]
     assert cancelled and len(cancelled[-1].tokens) < 50
 
 

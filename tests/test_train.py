@@ -434,7 +434,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_with_each_iteration_logged_once
     train.main(common + [f"--out_dir={split}", "--init_from=resume"])
     iters = [(r["iter"], "val_loss_fixed" in r) for r in read_log(split)]
     assert len(iters) == len(set(iters)) and iters == [(r["iter"], "val_loss_fixed" in r) for r in read_log(full)]
-    for flag in ("--n_embd=64", "--max_iters=12", "--prior=geometric"):
+    for flag in ("--n_embd=64", "--max_iters=2", "--prior=geometric"):
         with pytest.raises(UserError, match=flag):          # a resumed run keeps everything that defines it
             train.main(common + [f"--out_dir={split}", "--init_from=resume", flag])
     before = read_log(split)                # a flag at the default --help shows is as if left out: the run's own
@@ -461,6 +461,32 @@ def test_a_resume_without_flags_continues_the_objective_it_was_started_with(tmp_
         train.main([f"--out_dir={tmp_path / 'none'}", "--eval_only"])     # nothing to evaluate: refused
     record = train.main([f"--out_dir={split}", "--eval_only", f"--data_dir={data_dir}"])
     assert record["val_loss_fixed"] == read_log(full)[-1]["val_loss_fixed"]     # the checkpoint, not a new model
+
+
+def test_a_finished_run_trains_on_with_a_larger_max_iters(tmp_path, data_dir, capsys):
+    """A finished run of 10 iterations resumed with --max_iters=20 trains on, by train.extend_run's rule:
+    from the resume on, the schedules are a 20-iteration run's. With a constant learning rate and a flat
+    β that makes it a 20-iteration run exactly (the same log and weights); with the default schedules,
+    every step past 10 takes the learning rate and β a 20-iteration run takes there."""
+    for flags in (["--decay_lr=False", "--beta=0.05"], []):
+        tiny = [a for a in TINY if not (flags and a.startswith("--warmup_iters"))]   # no warmup without decay
+        run = tiny + [f"--data_dir={data_dir}", "--eval_interval=5", "--log_interval=1"] + flags
+        straight, extended = str(tmp_path / f"s{len(flags)}"), str(tmp_path / f"e{len(flags)}")
+        train.main(run + [f"--out_dir={straight}", "--max_iters=20"])
+        train.main(run + [f"--out_dir={extended}", "--max_iters=10"])
+        capsys.readouterr()
+        assert train.main([f"--out_dir={extended}", "--init_from=resume"]) is None    # nothing to do
+        assert "resume with a larger --max_iters" in capsys.readouterr().err
+        train.main([f"--out_dir={extended}", "--init_from=resume", "--max_iters=20"])
+        assert "extending the run from 10 to 20 iterations" in capsys.readouterr().err
+        a, b = read_log(straight), read_log(extended)
+        steps = lambda log, lo: [(r["iter"], r["lr"], r["beta"]) for r in log if "lr" in r and r["iter"] > lo]
+        assert steps(a, 10) == steps(b, 10)
+        if flags:
+            strip = lambda rs: [{k: v for k, v in r.items() if k != "ms_per_iter"} for r in rs]
+            assert strip(a) == strip(b)
+            wa, wb = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (straight, extended))
+            assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_rerun_keeps_the_previous_run_until_it_has_a_checkpoint(tmp_path, data_dir, monkeypatch):
