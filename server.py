@@ -6,10 +6,11 @@ An OpenAI-style HTTP API over the depth-batching engine: /v1/completions, /v1/ch
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "x=3 a=x ; a? ", "max_tokens": 8, "temperature": 0, "thr": 0.3}'
 
-One engine thread steps the engine (serve_depthbatch.py); HTTP handler threads parse a request,
-hand it to the engine thread and relay its tokens as they are sampled. Beyond OpenAI's fields a
-request may carry the engine's own: thr, mode, depth, top_k, prefill_thr, prefill_schedule,
-prefix_full; every choice reports its exit statistics. Nothing a client sends can stop the engine:
+One engine thread steps the engine (serve_depthbatch.py); HTTP handler threads read a request,
+hand it to the engine thread and relay its tokens as they are sampled. What a body may ask for and
+what a response says is api.py (OpenAI's fields, and the engine's own: thr, mode, depth, top_k,
+prefill_thr, prefill_schedule, prefix_full, exit_depths); every choice reports its exit
+statistics. Nothing a client sends can stop the engine:
 a request it cannot run fails alone, an unexpected error inside a step fails the requests of that
 step and frees their pages, a client that goes away has its requests cancelled, and if the engine
 thread ever stops, /health answers 503 and so does every new request.
@@ -25,15 +26,14 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections import deque
 
+from api import BadRequest, Choices, Reply, parse_request, shown
 from checkpoint import load_for_script
 from configurator import MODEL_RUN, MODEL_RUN_RULES, UserError, parse, run_cli, set_threads
 from kernels import IMPLS
-from model import exit_stats
 from ragged import page_bytes, pool_pages
-from engine.request import BadRequest, parse_request
 from engine.scheduler import SCHEDULERS
+from engine.serving import Server
 from engine.shared_head import HEADS
 from serve_depthbatch import RUNNERS, engine_for
 from tokenizer import has_chat, start_of_text
@@ -42,172 +42,7 @@ MAX_BODY = 16 << 20                       # bytes of one request body
 MAX_HEAD = 32 << 10                       # bytes of one request's line and headers
 
 
-class Server:
-    """The engine thread and what the HTTP threads share with it: an inbox of new requests."""
-
-    def __init__(self, engine, encode=None, decode=None, name="looped-lm", chat=False, eos=None,
-                 start=(0,)):
-        self.engine, self.encode, self.decode, self.name, self.chat, self.eos = engine, encode, decode, name, chat, eos
-        self.start = list(start)          # what an empty prompt means (tokenizer.start_of_text)
-        self.inbox, self.cv, self.stopping = deque(), threading.Condition(), False
-        self.dead = None                  # why the engine thread stopped, if it ever does
-        # stopping: no new request, the running ones finish (drain)
-        self.draining = False
-        self.cut = None                   # why the requests still running at the drain's end fail
-        # HTTP responses under way (the drain waits for their last bytes)
-        self.responding = 0
-        # how long a stopping server lets them run (--drain_timeout)
-        self.drain_seconds = 30.0
-        self.verbose = False
-        self.thread = threading.Thread(target=self.loop, name="engine", daemon=True)
-
-    def submit(self, reqs):
-        with self.cv:
-            if self.dead:
-                raise BadRequest(f"the engine has stopped ({self.dead}); restart the server",
-                                 status=503)
-            if self.draining:
-                raise BadRequest("the server is stopping; retry in a moment (on another server)",
-                                 status=503, retry_after=5)
-            self.inbox.extend(reqs)
-            self.responding += 1
-            self.cv.notify()
-
-    def loop(self):
-        try:
-            self.serve_engine()
-        except BaseException as e:        # the engine thread must never stop silently
-            with self.cv:
-                self.dead = f"{type(e).__name__}: {e}"
-            print(f"engine thread stopped: {self.dead}", file=sys.stderr)
-            queues = self.engine.scheduler
-            stranded = list(self.inbox) + [s.req for s in queues.running + list(queues.waiting)]
-            for r in stranded:
-                r.finish_reason, r.error = "error", f"the engine stopped: {self.dead}"
-                if r.on_token is not None:
-                    r.on_token(r, None)
-
-    def serve_engine(self):
-        """Take new requests, step the engine, repeat. A request the engine refuses fails alone; an
-        error inside a step fails the requests of that step (their pages come back) and is
-        logged."""
-        while True:
-            with self.cv:
-                while not self.inbox and not self.engine.busy() and not self.stopping and not self.cut:
-                    self.cv.wait()
-                if self.stopping:
-                    return
-                new, self.inbox = list(self.inbox), deque()
-            # the drain's end: every request left ends with an error it can read
-            if self.cut:
-                for r in new:
-                    r.finish_reason, r.error = "error", self.cut
-                    r.on_token(r, None)
-                self.engine.fail_running(self.cut, queued=True)
-                with self.cv:
-                    self.cv.notify_all()
-                    while not self.stopping:
-                        self.cv.wait()
-                return
-            for r in new:
-                try:
-                    self.engine.add(r)
-                except Exception as e:
-                    why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-                    r.finish_reason, r.error = "error", why
-                    r.on_token(r, None)
-            try:
-                self.engine.step()
-            except Exception as e:
-                print(f"engine error: {type(e).__name__}: {e}; the requests of this step fail",
-                      file=sys.stderr)
-                self.engine.fail_running(f"engine error: {type(e).__name__}")
-
-    def stop(self):
-        with self.cv:
-            self.stopping = True
-            self.cv.notify_all()
-
-    def responded(self):
-        """An HTTP response has sent its last bytes."""
-        with self.cv:
-            self.responding -= 1
-            self.cv.notify_all()
-
-    def drain(self, seconds, why):
-        """A graceful stop, a line on stderr a stage: no new request (503, Retry-After; /health says
-        draining), the admitted ones run for up to `seconds`, then those left end with an error
-        their clients read (a last chunk with finish_reason "error", then data: [DONE]); it returns
-        once every response has sent its last bytes (or a few seconds more have passed)."""
-        with self.cv:
-            self.draining = True
-            queued = len(self.inbox) + len(self.engine.scheduler.waiting)
-            print(f"stopping ({why}): no new requests; {len(self.engine.scheduler.running)} "
-                  f"running and {queued} "
-                  f"waiting may finish within {seconds:g} s", file=sys.stderr, flush=True)
-            deadline = time.monotonic() + seconds
-            while self.responding and not self.dead and time.monotonic() < deadline:
-                self.cv.wait(deadline - time.monotonic())
-            left = self.responding
-            if left:
-                self.cut = f"the server stopped ({why}) before this request finished"
-                print(f"drain time over: {left} response(s) end with an error", file=sys.stderr,
-                      flush=True)
-                self.cv.notify_all()
-            deadline = time.monotonic() + 5
-            while self.responding and time.monotonic() < deadline:
-                self.cv.wait(deadline - time.monotonic())
-        print(f"drained: {left} request(s) cut, the rest finished", file=sys.stderr, flush=True)
-
-
-def exit_summary(r, U):
-    de = r.decode_exits
-    return {"avg_decode_depth": sum(de) / len(de) if de else None,
-            "avg_prefill_depth": sum(r.prompt_exits) / len(r.prompt_exits) if r.prompt_exits
-            else None, **exit_stats(de, U), "mode": r.mode, "thr": None if r.mode == "fixed"
-            else r.thr}
-
-
 # ----------------------------------------------------------------------------- HTTP
-
-class Choices:
-    """The text of each choice of one HTTP request, cut at a stop string, as the tokens come."""
-
-    def __init__(self, server, reqs, stop):
-        self.server, self.reqs, self.stop = server, reqs, stop
-        n = len(reqs)
-        self.texts, self.sent, self.finish, self.n_tok = [""] * n, [0] * n, [None] * n, [0] * n
-
-    def add(self, i, tok):
-        """Take the engine's event for choice i (tok None: the request ended)."""
-        r = self.reqs[i]
-        if self.finish[i] is not None:
-            return                                # tokens after a stop string
-        if tok is None:
-            self.finish[i] = r.finish_reason
-            return
-        self.n_tok[i] += 1
-        if self.server.decode is not None and tok not in r.stop:
-            text = self.server.decode(r.tokens[:self.n_tok[i]])
-            cut = [text.find(s) for s in self.stop if s in text]
-            if cut:                               # a stop string: the text ends before it
-                text, self.finish[i], r.cancelled = text[:min(cut)], "stop", True
-            self.texts[i] = text
-
-    def unsent(self, i):
-        """Text of choice i not streamed yet. While the choice runs, a tail that may be the start of
-        a stop string is held back (the next tokens say whether it is: a stream never shows what the
-        stop removes), and so is a tail that ends in half a character."""
-        text, end = self.texts[i], len(self.texts[i])
-        if self.finish[i] is None:
-            end -= max([k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])],
-                       default=0)
-            if text[:end].endswith("\ufffd"):
-                end = self.sent[i]
-        new = text[self.sent[i]:max(end, self.sent[i])]
-        self.sent[i] += len(new)
-        return new
-
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """One HTTP connection's requests (a thread of the ThreadingHTTPServer). `app` is the Server it
@@ -240,8 +75,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.clock.cancel()
 
     def let_go(self):
+        """The deadline passed: no more reading (a body read under way ends short and is answered 408;
+        a request line or headers still to come are not answered)."""
+        self.late = True
         try:
-            self.connection.shutdown(socket.SHUT_RDWR)
+            self.connection.shutdown(socket.SHUT_RD)
         except OSError:
             pass
 
@@ -250,6 +88,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         version is not HTTP/0.9 here: it is answered 400 with a status line), headers of at most
         MAX_HEAD bytes."""
         if not super().parse_request():
+            return False
+        if getattr(self, "late", False):          # its headers were cut at the deadline: let it go
+            self.close_connection = True
             return False
         if self.request_version == "HTTP/0.9":
             self.send_error(400, f"not an HTTP/1.x request line: {self.requestline[:80]!r}")
@@ -289,45 +130,116 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                   "param": e.param, "code": e.code}}, e.status,
                        [("Retry-After", str(e.retry_after))] if e.retry_after is not None else ())
 
-    def do_GET(self):
-        self.clock.cancel()
-        # a query string routes as without
+    ALLOWED = "GET, HEAD, POST, OPTIONS"
+
+    def get_routes(self):
+        """GET's answers: (status, body) of /health and /v1/models (a query string routes as
+        without)."""
         engine, path = self.app.engine, urllib.parse.urlsplit(self.path).path
         if path == "/health":
-            status = f"engine stopped: {self.app.dead}" if self.app.dead else "draining" if self.app.draining else "ok"
-            self.send_json({"status": status, "running": len(engine.scheduler.running),
-                            "waiting": len(engine.scheduler.waiting),
-                            "free_pages": len(engine.pool.free)},
-                           200 if status == "ok" else 503)
-        elif path == "/v1/models":
-            self.send_json({"object": "list", "data": [{"id": self.app.name, "object": "model",
-                                                        "created": 0, "owned_by": "looped-lm"}]})
-        else:
-            self.send_error_json(BadRequest(f"no route GET {self.path}", status=404))
+            status = (f"engine stopped: {self.app.dead}" if self.app.dead else "draining"
+                      if self.app.draining else "ok")
+            return 200 if status == "ok" else 503, {
+                "status": status, "running": len(engine.scheduler.running),
+                "waiting": len(engine.scheduler.waiting), "free_pages": len(engine.pool.free)}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": self.app.name, "object": "model",
+                                                     "created": 0, "owned_by": "looped-lm"}]}
+        return 404, {"error": {"message": f"no route GET {self.path}", "type": "invalid_request_error",
+                               "param": None, "code": None}}
+
+    def do_GET(self):
+        self.clock.cancel()
+        self.send_json(*reversed(self.get_routes()))
+
+    def do_HEAD(self):
+        """GET's status and headers, without the body (health checks that only look at the status)."""
+        self.clock.cancel()
+        status, body = self.get_routes()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(json.dumps(body).encode())))
+        self.end_headers()
+
+    def do_OPTIONS(self):
+        """The methods each route allows (a browser's preflight asks before it POSTs JSON)."""
+        self.clock.cancel()
+        self.send_response(204)
+        self.send_header("Allow", self.ALLOWED)
+        self.send_header("Access-Control-Allow-Methods", self.ALLOWED)
+        self.send_header("Access-Control-Allow-Headers", "Content-Type, Authorization")
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def read_body(self):
-        """The JSON body, after checking its headers: a 4xx BadRequest for anything malformed."""
+        """The JSON body, after checking its headers: a 4xx BadRequest for anything malformed. The
+        body's length is its Content-Length, or it comes in chunks (Transfer-Encoding: chunked, what
+        a client streaming its upload sends); one that stops short of it, or stalls, is a 408."""
         kind = (self.headers.get("Content-Type") or "application/json").split(";")[0].strip().lower()
         if kind != "application/json":
-            raise BadRequest(f"Content-Type {kind!r}: send application/json", status=415)
+            raise BadRequest(f"Content-Type {shown(kind)}: send application/json", status=415)
+        coding = (self.headers.get("Transfer-Encoding") or "").strip().lower()
         raw = self.headers.get("Content-Length")
-        if raw is None or not raw.strip().isdigit():
+        if coding and coding != "chunked":
+            self.close_connection = True
+            raise BadRequest(f"Transfer-Encoding {shown(coding)}: send the body whole (Content-Length) "
+                             "or chunked", status=501)
+        if not coding and (raw is None or not raw.strip().isdigit()):
             # the body's end is unknown: this connection cannot go on
             self.close_connection = True
-            raise BadRequest(f"Content-Length {raw!r}: give the body's length in bytes",
+            raise BadRequest("no Content-Length: give the body's length in bytes, or send it chunked "
+                             "(Transfer-Encoding: chunked)" if raw is None else
+                             f"Content-Length {shown(raw)}: give the body's length in bytes",
                              status=411 if raw is None else 400)
-        if int(raw) > MAX_BODY:
+        if not coding and int(raw) > MAX_BODY:
             self.close_connection = True
-            raise BadRequest(f"a body of {int(raw)} bytes; at most {MAX_BODY} are accepted",
-                             status=413)
+            raise BadRequest(f"a body of {int(raw)} bytes; at most {MAX_BODY} are accepted", status=413)
         try:
-            return json.loads(self.rfile.read(int(raw)) or b"null")
+            data = self.read_chunks() if coding else self.read_exactly(int(raw))
+        except (TimeoutError, OSError):
+            data = None
+        if data is None:
+            self.close_connection = True
+            raise BadRequest(f"the body did not arrive whole within {self.timeout} s of silence or "
+                             f"{self.deadline} s in all (its Content-Length, or its last chunk)",
+                             status=408)
+        try:
+            return json.loads(data or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"malformed JSON: {e}")
         except RecursionError:
             raise BadRequest("malformed JSON: nested too deeply")
         except ValueError as e:                                  # an integer of thousands of digits
             raise BadRequest(f"malformed JSON: {e}")
+
+    def read_exactly(self, n):
+        """n bytes of the body, or None if the client stops sending before they are all there."""
+        data = self.rfile.read(n)
+        return data if len(data) == n else None
+
+    def read_chunks(self):
+        """A chunked body, whole (None: cut short); larger than MAX_BODY: a 413."""
+        out = b""
+        while True:
+            size = self.rfile.readline(64).split(b";")[0].strip()
+            if not size:
+                return None
+            try:
+                n = int(size, 16)
+            except ValueError:
+                self.close_connection = True
+                raise BadRequest(f"a chunk size {shown(size.decode('latin-1'))} is not hexadecimal")
+            if len(out) + n > MAX_BODY:
+                self.close_connection = True
+                raise BadRequest(f"a body of more than {MAX_BODY} bytes; at most {MAX_BODY} are accepted",
+                                 status=413)
+            chunk = self.read_exactly(n + 2) if n else self.rfile.readline(64)
+            if chunk is None or (n and chunk[-2:] != b"\r\n"):
+                return None
+            if not n:
+                return out
+            out += chunk[:-2]
 
     def do_POST(self):
         path = urllib.parse.urlsplit(self.path).path
@@ -341,7 +253,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = self.read_body()
             self.clock.cancel()
             self.connection.settimeout(self.write_timeout)
-            reqs, stream, stop, usage = parse_request(self.app, body, chat)
+            reqs, stream, stop, usage, echo, top, depths = parse_request(self.app, body, chat)
             events = queue.Queue()
             for r in reqs:
                 r.on_token = lambda r, tok: events.put((r.tag, tok))
@@ -350,7 +262,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_error_json(e)
             return
         try:
-            self.respond(reqs, events, stream, Choices(self.app, reqs, stop), chat, usage)
+            reply = Reply(self.app, reqs, Choices(self.app, reqs, stop, top), chat, stream, usage,
+                          echo, depths)
+            self.respond(reply, events)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             # the client went away: free its pages
             for r in reqs:
@@ -360,64 +274,44 @@ class Handler(http.server.BaseHTTPRequestHandler):
         finally:
             self.app.responded()
 
-    def respond(self, reqs, events, stream, choices, chat, usage=False):
+    def respond(self, reply, events):
         """Relay the tokens of the request's choices as the engine samples them: one JSON body at
         the end, or server-sent events as they come (ending with data: [DONE]; with usage, a last
         chunk before it carries the token counts, as OpenAI's stream_options.include_usage)."""
-        U = self.app.engine.U
-        kind = "chat.completion" if chat else "text_completion"
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{reqs[0].seed:x}{int(time.time() * 1e6) % 10**8:x}",
-                "object": kind + (".chunk" if chat and stream else ""), "created": int(time.time()),
-                "model": self.app.name}
-        if stream:
-            self.start_stream(head, len(reqs), chat)
+        reqs, choices = reply.reqs, reply.choices
+        if reply.stream:
+            self.start_stream(reply)
         while None in choices.finish:
             i, tok = events.get()
             choices.add(i, tok)
             r = reqs[i]
-            if choices.finish[i] == "error" and not stream:
+            if choices.finish[i] == "error" and not reply.stream:
                 for o in reqs:
                     o.cancelled = True
                 self.send_error_json(BadRequest(r.error, status=503 if self.app.dead else 400))
                 return
-            if stream:
+            if reply.stream:
                 new = choices.unsent(i)
                 if new:
-                    self.event(head, i, new, chat)
+                    self.event(reply, i, new)
                 if choices.finish[i] is not None:
-                    self.event(head, i, "", chat, choices.finish[i], {"error": r.error}
-                               if r.error else
-                               {"exit_stats": exit_summary(r, U),
-                                **({"note": r.note} if r.note else {})})
+                    self.event(reply, i, "", choices.finish[i], reply.ending(i))
             # the pool ran dry under it: its tokens so far are its answer
             if tok is None and r.note:
-                print(f"{head['id']} choice {i}: {r.note}", file=sys.stderr)
-        n_prompt, n_new = len(reqs[0].prompt), sum(choices.n_tok)
-        counts = {"prompt_tokens": n_prompt, "completion_tokens": n_new,
-                  "total_tokens": n_prompt + n_new}
-        if stream:
-            if usage:
-                self.chunk(f"data: {json.dumps({**head, 'choices': [], 'usage': counts})}\n\n".encode())
-            self.chunk(b"data: [DONE]\n\n")
-            self.chunk(b"")                     # the last chunk: the stream ended whole, not cut
+                print(f"{reply.head['id']} choice {i}: {r.note}", file=sys.stderr)
+        if not reply.stream:
+            self.send_json(reply.body())
             return
-        out = []
-        for i, r in enumerate(reqs):
-            c = {"index": i, "finish_reason": choices.finish[i], "exit_stats": exit_summary(r, U),
-                 "tokens": r.tokens[:choices.n_tok[i]], **({"note": r.note} if r.note else {})}
-            text = choices.texts[i]
-            c.update({"message": {"role": "assistant", "content": text}} if chat
-                     else {"text": text, "logprobs": None})
-            out.append(c)
-        de = [e for r in reqs for e in r.decode_exits]
-        self.send_json({**head, "choices": out, "usage": counts,
-                        "exit_stats": {"avg_decode_depth": sum(de) / len(de) if de else None,
-                                       **exit_stats(de, U)}})
+        if reply.usage:
+            self.chunk(f"data: {json.dumps({**reply.head, 'choices': [], 'usage': reply.counts()})}\n\n".encode())
+        self.chunk(b"data: [DONE]\n\n")
+        self.chunk(b"")                     # the last chunk: the stream ended whole, not cut
 
-    def start_stream(self, head, n, chat):
+    def start_stream(self, reply):
         """Server-sent events in chunked transfer encoding: a stream that ends without its last
         (empty) chunk was cut, which a client's HTTP library says (a stream delimited by closing the
-        connection would end the same either way)."""
+        connection would end the same either way). A chat stream opens each choice with its role,
+        an echoing completion with its prompt's text."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -425,18 +319,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        if chat:
-            for i in range(n):
-                self.event(head, i, "", chat, extra={"delta": {"role": "assistant", "content": ""}})
+        for i in range(len(reply.reqs)):
+            if reply.chat:
+                self.event(reply, i, "", extra={"delta": {"role": "assistant", "content": ""}})
+            elif reply.echo:
+                self.event(reply, i, reply.prompt_text(i))
 
-    def event(self, head, i, delta, chat, reason=None, extra=None):
-        if chat:
-            choice = {"index": i, "delta": {"content": delta} if delta else {},
-                      "finish_reason": reason}
-        else:
-            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": reason}
-        choice.update(extra or {})
-        self.chunk(f"data: {json.dumps({**head, 'choices': [choice]})}\n\n".encode())
+    def event(self, reply, i, delta, reason=None, extra=None):
+        self.chunk(f"data: {json.dumps(reply.chunk(i, delta, reason, extra))}\n\n".encode())
 
     def chunk(self, data):
         """One chunk of a chunked response (an empty one ends it)."""

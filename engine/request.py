@@ -1,16 +1,14 @@
 """
-What one generation asks for and what it gets back: the Request, how its tokens are sampled, and how
-an OpenAI-style body (server.py's /v1/completions and /v1/chat/completions) asks for requests.
+What one generation asks for and what it gets back: the Request, and how its tokens are sampled (an
+OpenAI-style body asks for requests in api.py).
 
 The engine (serve_depthbatch.py) validates a request (modes.check_request), runs it and fills in the
 fields below the line; sample.py, lab/eval.py, server.py and lab/bench.py build them.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from configurator import UserError
-from tokenizer import IM_END, chat_ids
 
 SEED_MAX = 2**64 - 1      # seeds are 64-bit: they key the sampler's noise (sample_token)
 
@@ -179,140 +177,3 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, position, nucleus=Tru
 if __name__ == "__main__":
     from configurator import library
     library(__doc__, "python sample.py and python server.py build requests")
-
-
-# ----------------------------------------------------------------------------- an OpenAI-style body
-
-ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth",
-                 "prefill_thr",
-                 "prefill_schedule", "prefix_full"}          # body fields that are Request fields
-ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages",
-            "max_completion_tokens"}
-ROLES = ("system", "user", "assistant")   # chat roles of the ChatML template
-UNSUPPORTED = {"logprobs": (None, 0, False), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None,),
-               "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0)}
-
-
-class BadRequest(Exception):
-    def __init__(self, message, param=None, status=400, code=None, retry_after=None):
-        super().__init__(message)
-        self.param, self.status, self.code, self.retry_after = param, status, code, retry_after
-
-
-def prompt_of(server, body, chat):
-    """The prompt's token ids and the stop ids of a completion or chat body."""
-    if chat:
-        if not server.chat:
-            raise BadRequest("this model has no chat template (Ouro's ChatML tokens); use "
-                             "/v1/completions", "messages")
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
-            raise BadRequest("'messages' must be a non-empty list of {role, content} objects",
-                             "messages")
-        turns = []
-        for m in msgs:
-            if m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
-                raise BadRequest(f"'messages': a message has role {m.get('role')!r} and fields "
-                                 f"{sorted(m)}; roles are {', '.join(ROLES)}, fields "
-                                 "role, content (and name)", "messages")
-            turns.append((m["role"], message_text(m.get("content"))))
-        return chat_ids(turns, server.encode), (IM_END,)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                      # a batch of one
-    # the start of a text, as in sample.py and lab/eval.py
-    if prompt == "" or prompt == []:
-        return list(server.start), (() if server.eos is None else (server.eos,))
-    if isinstance(prompt, str):
-        if server.encode is None:
-            raise BadRequest("this model has no tokenizer here: give "
-                             "'prompt' as a list of token ids", "prompt")
-        try:
-            ids = server.encode(prompt)
-        except UserError as e:
-            raise BadRequest(f"'prompt': {e}", "prompt")
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in prompt):
-        ids = list(prompt)
-    else:
-        raise BadRequest("'prompt' must be a string or a list of token ids "
-                         "(empty: the start of a text)", "prompt")
-    return ids, (() if server.eos is None else (server.eos,))
-
-
-def message_text(content):
-    """A chat message's content: a string, or OpenAI's list of content parts of type text (joined)."""
-    if isinstance(content, str):
-        return content
-    text_part = lambda p: (isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) and set(p) <= {"type", "text"})
-    if isinstance(content, list) and content and all(text_part(p) for p in content):
-        return "".join(p["text"] for p in content)
-    raise BadRequest("'messages': a content must be a string or a list of {type: text, text} parts "
-                     "(this model reads text only)", "messages")
-
-
-def parse_request(server, body, chat):
-    """A /v1/completions or /v1/chat/completions body -> (requests, stream, stop strings). Every
-    field is known or refused by name; the engine's fields are checked by the engine's own
-    check_request (one validation for the API, the CLIs and the engine)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    for key in body:
-        if key not in ENGINE_FIELDS | ACCEPTED | set(UNSUPPORTED) or key == ("prompt" if chat
-                                                                             else "messages"):
-            raise BadRequest(f"unknown field '{key}'", key)
-    for key, ok in UNSUPPORTED.items():
-        if key in body and body[key] not in ok:
-            raise BadRequest(f"'{key}' is not supported by this server", key)
-    # as the OpenAI API: a name it does not serve
-    if body.get("model") not in (None, server.name):
-        raise BadRequest(f"the model {body['model']!r} does not exist here; this server serves "
-                         f"{server.name!r} "
-                         "(GET /v1/models)", "model", status=404, code="model_not_found")
-    ids, stop_ids = prompt_of(server, body, chat)
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-        raise BadRequest("'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-    n, stream, seed = body.get("n", 1), body.get("stream", False), body.get("seed")
-    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 16):
-        raise BadRequest(f"'n' must be an integer in 1..16, not {n!r}", "n")
-    if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be true or false, not {stream!r}", "stream")
-    if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, ()))
-    elif not (isinstance(seed, int) and not isinstance(seed, bool)
-              and 0 <= seed <= SEED_MAX - (n - 1)):
-        raise BadRequest(f"'seed' must be an integer in [0, 2**64 - n], not {seed!r}", "seed")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)
-                                or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": "
-                         "true", "stream_options")
-    f = {"temperature": 1.0, **{k: body[k] for k in ENGINE_FIELDS if body.get(k) is not None}}
-    # the chat API's newer name for max_tokens
-    if body.get("max_completion_tokens") is not None:
-        if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
-            raise BadRequest("'max_tokens' and 'max_completion_tokens' differ; give one",
-                             "max_completion_tokens")
-        f["max_tokens"] = body["max_completion_tokens"]
-    mode = f.get("mode", Request.mode)
-    if "depth" in f and mode != "fixed":
-        raise BadRequest(f"'depth' sets the loops of mode fixed; mode={mode!r} "
-                         "decides its depths (give 'thr')", "depth")
-    if "thr" in f and mode == "fixed":
-        raise BadRequest("'thr' is the exit threshold of the ragged modes; mode "
-                         "'fixed' runs 'depth' loops", "thr")
-    reqs = [Request(ids, seed=seed + i, stop=stop_ids, tag=i, **f) for i in range(n)]
-    try:
-        server.engine.check_request(reqs[0])
-    except UserError as e:
-        raise BadRequest(str(e), e.field)
-    return reqs, stream, stop, bool((options or {}).get("include_usage"))
-
-
-assert ENGINE_FIELDS <= {f.name for f in fields(Request)}

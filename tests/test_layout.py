@@ -9,11 +9,11 @@ import os
 import re
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project root
-LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "run_folder", "tokenizer",
+LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "run_folder", "tokenizer", "api",
            "configurator",
            "server", "objectives", "metrics",
            "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
-           "engine.slots", "engine.slot_pass", "engine.graphs",
+           "engine.slots", "engine.slot_pass", "engine.graphs", "engine.serving",
            "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
            "lab.ouro_code", "lab.harness", "lab.ladder_claims",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads

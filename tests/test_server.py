@@ -15,7 +15,8 @@ import torch
 from conftest import CFG, alone, make_tokenizer, ouro_tensors, write_folder
 from engine.request import Request
 from serve_depthbatch import Engine
-from server import Choices, serve
+from api import Choices
+from server import serve
 from prepare_data import SYNTH_CHARS
 from tokenizer import char_meta, load_tokenizer
 
@@ -131,7 +132,10 @@ def test_openai_client_completions_streaming_stop_and_seeds(http_server):
     ({"prompt": "a", "mode": "warp"}, "mode"), ({"prompt": "a", "thr": 1.5}, "thr"),
     ({"prompt": "a", "thr": -1}, "thr"),
     ({"prompt": "a" * 80}, "prompt"), ({"prompt": "a", "n": 0}, "n"), ({"prompt": "a", "stop": 5}, "stop"),
-    ({"prompt": "ABC"}, "prompt"), ({"prompt": [999]}, "prompt"), ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "ABC"}, "prompt"), ({"prompt": [999]}, "prompt"), ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "suffix": "x"}, "suffix"), ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "a", "logprobs": 99}, "logprobs"), ({"prompt": [[1, 2], [3, None]]}, "prompt"),
+    ({"prompt": "a", "n": 129}, "n"), ({"messages": [{"content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages"), ([1, 2], None),
     ({"prompt": "a", "stream": "yes"}, "stream"), ({"prompt": "a", "depth": 9}, "depth"),
 ])
@@ -141,7 +145,75 @@ def test_http_bad_requests_are_400_and_the_server_keeps_serving(http_server, bod
     status, text = post(url + path, body, raw=isinstance(body, bytes))
     err = json.loads(text)["error"]
     assert status == 400 and err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+    assert "None" not in err["message"], err["message"]          # a client reads JSON's null, not Python's
     status, _ = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert status == 200
+
+
+def test_http_logprobs_exit_depths_batches_and_echo_as_openai_and_vllm_take_them(http_server):
+    """logprobs 0: each sampled token's log-probability, the log-softmax of the logits it was sampled
+    from at its exit depth (the engine's own, kept); logprobs k: the k most likely beside it; chat:
+    logprobs true and top_logprobs k; exit_depths: true returns each token's depth; a prompt given as
+    a list of token-id lists is one choice each, in order, as each alone; echo starts the text with
+    the prompt; n up to 128."""
+    url, engine, encode, decode = http_server
+    ids = encode("the red cat")
+    direct = alone(engine.model, Request(list(ids), 6, "ete_ragged", 0.4, keep_logits=True))
+    want = [float(torch.log_softmax(lg.double(), -1)[t]) for lg, t in zip(direct.logits, direct.tokens)]
+    for k in (0, 3):
+        status, text = post(url + "/v1/completions", {"prompt": "the red cat", "max_tokens": 6, "temperature": 0,
+                                                      "thr": 0.4, "mode": "ete_ragged", "logprobs": k,
+                                                      "exit_depths": True, "echo": True})
+        c = json.loads(text)["choices"][0]
+        assert status == 200 and c["tokens"] == direct.tokens and c["text"] == "the red cat" + decode(direct.tokens)
+        assert all(abs(a - b) < 1e-5 for a, b in zip(c["logprobs"]["token_logprobs"], want))
+        assert c["exit_depths"] == direct.token_exits
+        top = c["logprobs"]["top_logprobs"]
+        assert (top is None) if k == 0 else all(len(t) == k and max(t.values()) >= lp - 1e-6
+                                                for t, lp in zip(top, want))
+    status, text = post(url + "/v1/completions", {"prompt": [ids, encode("a dog"), ids], "max_tokens": 4,
+                                                  "temperature": 0, "thr": 0.4, "n": 2})
+    out = json.loads(text)
+    firsts = [alone(engine.model, Request(list(p), 4, thr=0.4)).tokens for p in (ids, encode("a dog"), ids)]
+    assert status == 200 and [c["tokens"] for c in out["choices"]] == [t for t in firsts for _ in range(2)]
+    assert out["usage"]["prompt_tokens"] == 2 * len(ids) + len(encode("a dog"))
+    status, text = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": 128})
+    assert status == 200 and len(json.loads(text)["choices"]) == 128
+
+
+def test_http_as_clients_send_it_chunked_bodies_short_bodies_options_and_head(http_server, monkeypatch):
+    """A body sent chunked is read; one shorter than its Content-Length, or that stalls, is answered
+    408 with its reason; OPTIONS names the methods; HEAD answers a GET route's status and headers."""
+    import server as srv
+    url, *_ = http_server
+    host, port = url[7:].split(":")
+    monkeypatch.setattr(srv.Handler, "timeout", 1)
+
+    def raw(data, stall=False):
+        """Send data (then, unless it stalls, nothing more), read the answer until the server closes."""
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        sock.sendall(data)
+        if not stall:
+            sock.shutdown(socket.SHUT_WR)
+        got = b""
+        while part := sock.recv(65536):
+            got += part
+        sock.close()
+        return got.decode()
+    body = json.dumps({"prompt": "the", "max_tokens": 3, "temperature": 0}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:7], body[7:])) + b"0\r\n\r\n"
+    got = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert got.startswith("HTTP/1.1 200") and '"finish_reason": "length"' in got
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    for short in (raw(head + body[:10]), raw(head + body[:10], stall=True)):   # cut short, or stalled
+        assert short.startswith("HTTP/1.1 408") and "did not arrive whole" in short
+    got = raw(b"OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith("HTTP/1.1 204") and "Allow: GET, HEAD, POST, OPTIONS" in got
+    got = raw(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert got.startswith("HTTP/1.1 200") and "Content-Length:" in got and not got.split("\r\n\r\n", 1)[1]
+    status, text = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2})
     assert status == 200
 
 
@@ -589,7 +661,7 @@ def test_one_rule_an_input_empty_prompts_unknown_models_and_depth_zero(http_serv
     assert served == [alone_tokens] * 3
     status, text = post(url + "/v1/completions", {"model": "gpt-4o", "prompt": "the", "max_tokens": 2})
     error = json.loads(text)["error"]
-    assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model" and "'tiny'" in \
+    assert status == 404 and error["code"] == "model_not_found" and error["param"] == "model" and '"tiny"' in \
         error["message"]
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
