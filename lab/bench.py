@@ -72,7 +72,8 @@ DEFAULTS = dict(
     requests=0,            # engine: requests per batch size (0: 2 x batch + 8; 256 with --full)
     rounds=1,              # engine: rounds of every configuration, in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
-    quick=False,           # engine: every configuration on short requests, to check the code runs (measures nothing)
+    quick=False,           # engine: every configuration on short requests of a small model, batches 1 and 4, to
+                           # check the code runs in about a minute (measures nothing)
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
     max_rows=256,          # engine, queue: rows per pass prefill chunks may fill (a fixed batch prefills at once)
     attn="auto",           # engine: paged attention (kernels.py)
@@ -104,6 +105,9 @@ FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode",
                 device="engine gpu", gpu_shape="gpu", out="gpu")
 NEEDS = {k: ("--what=" + " or --what=".join(w.split()), lambda c, w=w: c["what"] in w.split())
          for k, w in FOR_WHAT.items()}
+# --quick: the engine benchmark on a small model and few requests, so that it checks the code in
+# about a minute on 2 cores (the keys a user gives keep their values)
+QUICK = dict(shape="small_vocab", batches="1,4", requests=8)
 
 
 def timed(fns, repeats, desc="bench"):
@@ -112,8 +116,8 @@ def timed(fns, repeats, desc="bench"):
     Returns {name: (median seconds, (fastest, slowest)), last result}."""
     from tqdm import tqdm
     times, out = {name: [] for name in fns}, {}
-    with tqdm(total=repeats * len(fns), desc=desc, unit="run", file=sys.stderr, disable=None,
-              leave=False) as bar:
+    with tqdm(total=repeats * len(fns), desc=desc, unit="run", file=sys.stderr, leave=False,
+              mininterval=1 if sys.stderr.isatty() else 10) as bar:
         for _ in range(repeats):
             for name, fn in fns.items():
                 t0 = time.perf_counter()
@@ -283,7 +287,10 @@ def bench_memory(c):
 
 
 def main(argv):
-    c = parse(argv, DEFAULTS, RULES, __file__, needs=NEEDS)
+    given = set()
+    c = parse(argv, DEFAULTS, RULES, __file__, given, NEEDS)
+    if c["quick"]:               # what --quick means, for the keys left at their defaults
+        c.update({k: v for k, v in QUICK.items() if k not in given})
     set_threads(c["threads"])
     torch.manual_seed(c["seed"])
     run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu,

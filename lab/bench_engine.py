@@ -297,7 +297,8 @@ def bench_engine(c):
     thr = c["engine_thr"]
     from tqdm import tqdm
     runs = []
-    with tqdm(desc="bench", unit="req", file=sys.stderr, disable=None) as bar:
+    # a line at least every 10 s where stderr is a log, not a terminal
+    with tqdm(desc="bench", unit="req", file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 10) as bar:
         if c["workload"] in ("queue", "both"):
             runs += queue_bench(model, c, thr, batches, bar)
         if c["workload"] in ("batch", "both"):

@@ -111,6 +111,27 @@ def brute_force_schedule(rows, wb, wh):
     return best
 
 
+def test_quick_means_quick(monkeypatch):
+    """--quick is bounded by what it runs, not by a clock: the engine benchmark's --quick takes the small
+    model (256 words), batches 1 and 4 and 8 requests a batch size of its short lengths, unless the
+    user gives others (what kept it over four minutes before: the 32,000-word model at batch 32); the
+    other --quick runs are bounded likewise (lab/soak.py: 2,000 requests of a tiny model; the tiny grid
+    of lab/reproduce.py: 16 steps a run)."""
+    from lab import bench_engine, reproduce, soak
+    seen = {}
+    monkeypatch.setattr(bench, "bench_engine", lambda c: seen.update(c) or {})
+    bench.main(["--what=engine", "--quick"])
+    assert (seen["shape"], seen["batches"], seen["requests"]) == ("small_vocab", "1,4", 8)
+    assert bench_engine.SHAPES["small_vocab"]["cfg"]["vocab_size"] <= 256
+    assert max(map(max, bench_engine.LENGTHS["quick"])) <= 16
+    bench.main(["--what=engine", "--quick", "--batches=2", "--requests=4"])   # the user's own stay
+    assert (seen["batches"], seen["requests"]) == ("2", 4)
+    assert "--max_iters=16" in reproduce.SIZES["quick"]["base"]
+    monkeypatch.setattr(soak, "soak", lambda c: seen.update(c) or {})
+    soak.main(["--quick"])
+    assert seen["requests"] <= 2000 and not seen["ckpt"]
+
+
 def test_head_schedule_finds_the_cheapest_head_calls_for_known_exits():
     """The best head schedule (what bench's `sched` column divides by) against every call set, on
     small random batches of known exits; narrowed to one state a pass, the search still returns a
