@@ -172,17 +172,7 @@ def parse_request(server, body, chat):
     for key in ("stream", "echo", "exit_depths"):
         if body.get(key) not in (None, True, False):
             raise BadRequest(f"'{key}' must be true or false, not {shown(body[key])}", key)
-    choices = n * len(prompts)
-    if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, ()))
-    elif not (whole(seed) and 0 <= seed <= SEED_MAX - (choices - 1)):
-        raise BadRequest(f"'seed' must be an integer in [0, 2**64 - choices], not {shown(seed)}", "seed")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)
-                                or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": "
-                         "true", "stream_options")
+    seed, usage = seed_of(seed, n * len(prompts)), usage_of(body.get("stream_options"), stream)
     top = logprob_fields(body, chat)
     f = engine_fields(body)
     reqs = [Request(ids, seed=seed + p * n + j, stop=stop_ids, tag=p * n + j,
@@ -196,8 +186,26 @@ def parse_request(server, body, chat):
                 raise BadRequest("'logprobs': this server's runner keeps no logits (start it with "
                                  "--runner=eager)", "logprobs")
             raise BadRequest(str(e), e.field)
-    return (reqs, bool(stream), stop, bool((options or {}).get("include_usage")),
-            bool(body.get("echo")), top, bool(body.get("exit_depths")))
+    return reqs, bool(stream), stop, usage, bool(body.get("echo")), top, bool(body.get("exit_depths"))
+
+
+def seed_of(seed, choices):
+    """The body's seed, of the first choice (choice i draws with seed + i); none given: a random one."""
+    if seed is None:
+        return int(torch.randint(0, 2**31 - 1, ()))
+    if not (whole(seed) and 0 <= seed <= SEED_MAX - (choices - 1)):
+        raise BadRequest(f"'seed' must be an integer in [0, 2**64 - choices], not {shown(seed)}", "seed")
+    return seed
+
+
+def usage_of(options, stream):
+    """OpenAI's stream_options: whether a last chunk carries the token counts."""
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise BadRequest("'stream_options' is {\"include_usage\": true|false}, with \"stream\": "
+                         "true", "stream_options")
+    return bool((options or {}).get("include_usage"))
 
 
 def engine_fields(body):

@@ -203,12 +203,12 @@ def ouro_key(key):
     return key if key.startswith("lm_head.") else "model." + key
 
 
-# The other fields of the published Ouro configs (1.4B, 2.6B and their -Thinking variants). Each is
-# either inert here (it does not change what the model computes) or accepted with the only value
-# that we implement; anything else in a config.json is refused, so no field silently changes the
-# model. (tie_word_embeddings and head_dim are read by the loader; max_window_layers and
-# sliding_window act only with use_sliding_window; early_exit_threshold is Ouro's own τ, ours is
-# --thr.)
+# The other fields of the published Ouro configs (1.4B, 2.6B and their -Thinking variants).
+# Each is either inert here (it does not change what the model computes) or accepted with the
+# only value that we implement; anything else in a config.json is refused, so no field silently
+# changes the model. (tie_word_embeddings and head_dim are read by the loader;
+# max_window_layers and sliding_window act only with use_sliding_window; early_exit_threshold
+# is Ouro's own τ, ours is --thr.)
 OURO_INERT = {"architectures", "auto_map", "model_type", "torch_dtype", "dtype",
               "transformers_version", "use_cache",
               "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
@@ -359,22 +359,7 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False, tiktoken_file
     Ouro folder unless `force`."""
     dtype = dtype or model.lm_head.weight.dtype
     cfg = model.config
-    if not cfg.loop_norm:
-        raise UserError("this model was trained without the per-loop norm (loop_norm=False); "
-                        "Ouro's code normalizes the hidden state after every loop and would "
-                        "compute something else. Only models trained with "
-                        "--loop_norm can be exported")
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UserError(f"--out={folder}: exists and is not a folder")
-    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
-        raise UserError(f"--out={folder}: holds a training run (ckpt.pt); an Ouro folder beside it "
-                        "would shadow it in every --ckpt. Write the export to a folder of its own")
-    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json",
-            "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
-    present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
-    if present and not force:
-        raise UserError(f"--out={folder}: already holds {', '.join(present)}; "
-                        "give --force to overwrite it")
+    check_export(cfg, folder, force)
     st = _safetensors()
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):  # a sharded folder: its index would shadow the new single file
@@ -404,6 +389,27 @@ def export_ouro(model, folder, meta=None, dtype=None, force=False, tiktoken_file
         write_json(os.path.join(folder, "meta.json"), meta)
         hf_tokenizer_files(meta, folder, cfg.block_size, tiktoken_file)
     return folder
+
+
+def check_export(cfg, folder, force):
+    """What export_ouro refuses before it writes anything: a model Ouro's code would run differently,
+    a folder that is a file or holds a training run, an Ouro folder unless `force`."""
+    if not cfg.loop_norm:
+        raise UserError("this model was trained without the per-loop norm (loop_norm=False); "
+                        "Ouro's code normalizes the hidden state after every loop and would "
+                        "compute something else. Only models trained with "
+                        "--loop_norm can be exported")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"--out={folder}: exists and is not a folder")
+    if os.path.isfile(os.path.join(folder, "ckpt.pt")):
+        raise UserError(f"--out={folder}: holds a training run (ckpt.pt); an Ouro folder beside it "
+                        "would shadow it in every --ckpt. Write the export to a folder of its own")
+    ours = ["config.json", "model.safetensors", "model.safetensors.index.json", "meta.json",
+            "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    present = [f for f in ours if os.path.exists(os.path.join(folder, f))]
+    if present and not force:
+        raise UserError(f"--out={folder}: already holds {', '.join(present)}; "
+                        "give --force to overwrite it")
 
 
 def hf_tokenizer_files(meta, folder, context, tiktoken_file=""):

@@ -216,8 +216,8 @@ def set_threads(n):
         torch.set_num_threads(n)
 
 
-# NEEDS of every script that samples: top-k and top-p shape a sampled draw, and greedy decoding
-# draws none
+# NEEDS of every script that samples: top-k and top-p shape a sampled draw, and
+# greedy decoding draws none
 _sampled = ("--temperature=1.0 (any above 0)", lambda c: c["temperature"] > 0)
 SAMPLING_NEEDS = dict(top_k=_sampled, top_p=_sampled)
 

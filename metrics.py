@@ -118,24 +118,25 @@ def evaluate(model, val, labels, c, prior, ctx, device, item_labels=None):
             spans.append(windows(item_labels, starts, c.block_size, 1))
     model.train()
     exits = {t: torch.cat(v) for t, v in exits.items()}      # (batches*B, T) per threshold
-    e = exits[thrs[0]]
-    stats = exit_stats(e, U)                                # jumps within each sequence
-    pi = torch.cat(pis)
-    r = lambda v: round(float(v), 5)
-    metrics = {
-        "val_loss_fixed": [r(v) for v in torch.stack(fixed).mean(0)],
-        "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
-        "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
-        "avg_exit_depth": r(e.double().mean()),
-        "exit_fractions": [r(v) for v in stats["exit_fractions"]],
-        "jump_rates": [r(v) for v in stats["jump_rates"]],
-        "large_jump_rate": r(stats["large_jump_rate"]),
-        "kl_global": r(kl_global(pi, prior)),
-        "kl_local": r(kl_local(pi, prior)),
-        "loop_shift": [r(v) for v in torch.stack(shifts).mean(0)],
-    }
+    metrics = summary(fixed, ragged, depth, exits[thrs[0]], torch.cat(pis), shifts, prior, U)
     metrics.update(by_difficulty(exits, diffs, spans, thrs))
     return metrics
+
+
+def summary(fixed, ragged, depth, e, pi, shifts, prior, U):
+    """evaluate's numbers, rounded: the losses and depths, the exit statistics of the first threshold
+    (jumps within each sequence), both KLs to the prior, each loop's shift."""
+    stats = exit_stats(e, U)
+    r = lambda v: round(float(v), 5)
+    return {"val_loss_fixed": [r(v) for v in torch.stack(fixed).mean(0)],
+            "val_loss_ragged": {str(t): r(np.mean(v)) for t, v in ragged.items()},
+            "ragged_depth": {str(t): r(np.mean(v)) for t, v in depth.items()},
+            "avg_exit_depth": r(e.double().mean()),
+            "exit_fractions": [r(v) for v in stats["exit_fractions"]],
+            "jump_rates": [r(v) for v in stats["jump_rates"]],
+            "large_jump_rate": r(stats["large_jump_rate"]),
+            "kl_global": r(kl_global(pi, prior)), "kl_local": r(kl_local(pi, prior)),
+            "loop_shift": [r(v) for v in torch.stack(shifts).mean(0)]}
 
 
 def by_difficulty(exits, diffs, spans, thrs):

@@ -432,56 +432,59 @@ def forward_ragged(model, idx, targets=None, taus=None, exits=None, uniforms=Non
     stopped keeps its hidden state, and later tokens read its K/V at min(d, e_j) (RaggedReads). The
     oracle of the paged engine, and the forward of ragged-aware training.
 
-    Exits, decided online at each depth from gates <= d: given (`exits`, 1-based, B x T), sampled
-    (`uniforms` B x T x U: exit at d when u_d < λ_d), by threshold (`taus`, a number or B x T,
-    Eq. 4), or by a rule of one's own (`rule(d, normed states, gate logits)` -> who exits at d, B x T:
-    lab/ladder.py's gate-free baseline). `full` (B x T bool): keep running to the last depth after
-    the exit is decided (a dense prefill, Ouro mode). Returns exits, gate_logits, the normed exit
-    states, logits at the exit and, with targets, the cross-entropy at the exit depth per token and
-    its mean (one logits call)."""
+    Exits are decided online at each depth from gates <= d (exit_rule: given, sampled, by threshold
+    or by a rule of one's own). `full` (B x T bool): keep running to the last depth after the exit is
+    decided (a dense prefill, Ouro mode). Returns exits, gate_logits, the normed exit states, logits
+    at the exit and, with targets, the cross-entropy at the exit depth per token and its mean (one
+    logits call)."""
     B, T = idx.shape
-    U = n_run or model.config.n_loops
-    dev = idx.device
+    U, dev = n_run or model.config.n_loops, idx.device
     h = model.embed_tokens(idx)
     cos, sin = model.rope(torch.arange(T, device=dev), h.dtype)
-    pdt = at_least_fp32(h.dtype)
-    if taus is not None and not torch.is_tensor(taus):
-        taus = torch.full((B, T), float(taus), dtype=pdt, device=dev)
+    decide = exit_rule(taus, exits, uniforms, rule, (B, T), at_least_fp32(h.dtype), dev)
     full = torch.zeros(B, T, dtype=torch.bool, device=dev) if full is None else full
-    survive = torch.ones(B, T, dtype=pdt, device=dev)
     decided = torch.zeros(B, T, dtype=torch.long, device=dev)     # e_i once decided (0: not yet)
-    # the last depth token j runs (U while running)
-    last = torch.full((B, T), U, dtype=torch.long, device=dev)
+    last = torch.full((B, T), U, dtype=torch.long, device=dev)    # the last depth j runs (U: running)
     states = torch.zeros_like(h)
     gates, kv = [], RaggedReads(model.config.n_layer, history)
     for d in range(1, U + 1):
         kv.depth = torch.clamp(last, max=d)                         # Eq. 7: min(d, e_j) for every j
         hn, gate, h_next = model.exit_heads(model.block(h, cos, sin, kv))
         gates.append(gate)
-        if exits is not None:
-            now = exits == d
-        elif uniforms is not None:
-            # §5: exit at d with probability λ_d
-            now = uniforms[..., d - 1] < torch.sigmoid(gate.detach().to(uniforms.dtype))
-        elif rule is not None:
-            now = rule(d, hn, gate)
-        else:
-            survive, now = exit_now(survive, gate.detach(), taus)   # Eq. 4, online
         running = last >= d                                         # ran depth d
-        new = (decided == 0) & (now | (d == U))
+        new = (decided == 0) & (decide(d, hn, gate) | (d == U))
         decided = torch.where(new, d, decided)
         states = torch.where(new[..., None], hn, states)
         h = torch.where(running[..., None], h_next, h)              # a stopped token's state stays
         last = torch.where(new & ~full, d, last)
-    out = {"exits": decided, "gate_logits": torch.stack(gates, -1), "states": states}
-    logits = model.lm_head(states)
-    out["logits"] = logits
+    out = {"exits": decided, "gate_logits": torch.stack(gates, -1), "states": states,
+           "logits": model.lm_head(states)}
     if targets is not None:
-        tok = token_ce(logits, targets)
-        valid = targets != -1
-        out["token_loss"] = tok                                  # ℓ_{i,e_i}, 0 where no target
-        out["loss"] = tok.sum() / valid.sum().clamp(min=1)       # Eq. 15
+        tok = token_ce(out["logits"], targets)
+        out["token_loss"] = tok                                     # ℓ_{i,e_i}, 0 where no target
+        out["loss"] = tok.sum() / (targets != -1).sum().clamp(min=1)   # Eq. 15
     return out
+
+
+def exit_rule(taus, exits, uniforms, rule, shape, dtype, device):
+    """forward_ragged's exits, as decide(d, normed states, gate logits) -> who exits at depth d: given
+    (`exits`, 1-based, B x T), sampled (`uniforms` B x T x U: exit at d when u_d < λ_d, §5), by
+    threshold (`taus`, a number or B x T: Eq. 4 online, from the gates of depths <= d), or by a rule
+    of one's own (`rule`, lab/ladder.py's gate-free baseline)."""
+    if taus is not None and not torch.is_tensor(taus):
+        taus = torch.full(shape, float(taus), dtype=dtype, device=device)
+    survive = [torch.ones(shape, dtype=dtype, device=device)]          # Π (1 - λ) so far
+
+    def decide(d, hn, gate):
+        if exits is not None:
+            return exits == d
+        if uniforms is not None:                                        # exit at d with probability λ_d
+            return uniforms[..., d - 1] < torch.sigmoid(gate.detach().to(uniforms.dtype))
+        if rule is not None:
+            return rule(d, hn, gate)
+        survive[0], now = exit_now(survive[0], gate.detach(), taus)     # Eq. 4, online
+        return now
+    return decide
 
 
 # ----------------------------------------------------------------------------- exit statistics

@@ -73,8 +73,8 @@ RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]",
              seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0",
              prefill_thr="in [0, 1]", prefill_schedule=["", "cosine"], prefix_full=">= 0",
              kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, runner=RUNNERS, **MODEL_RUN_RULES)
-# the keys that act only with another setting: refused without it (checked with the model's U:
-# check_args)
+# the keys that act only with another setting: refused without it (checked with
+# the model's U: check_args)
 prefill = ("--mode=ete_ragged (or collapse_kv)",
            lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
@@ -213,9 +213,9 @@ def main(argv):
     random.seed(c["seed"])
     np.random.seed(c["seed"])
     torch.manual_seed(c["seed"])
-    # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page pool;
-    # sample s draws with seed + s (request.sample_token: keyed by seed and position), whatever else
-    # is batched.
+    # The samples are concurrent requests of one engine (serve_depthbatch.py) sharing one page
+    # pool; sample s draws with seed + s (request.sample_token: keyed by seed and position),
+    # whatever else is batched.
     engine, pages = sample_engine(c, model, ids, mode)
     reqs = [Request(ids, c["max_new_tokens"], mode, thr=thr, depth=depth if mode == "fixed" else 0,
                     temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"],

@@ -10,6 +10,7 @@ A dataset's meta.json (written by prepare_data.py, stored in every checkpoint) n
 Ouro's Thinking models talk in ChatML; chat_ids() is the one template that sample.py, lab/eval.py
 and the HTTP server use.
 """
+import json
 import os
 
 from configurator import UserError
@@ -85,51 +86,53 @@ def load_tokenizer(meta, tiktoken_file=""):
     check_meta(meta)
     kind = meta.get("tokenizer")
     if kind == "char":
-        chars = meta["chars"]
-        stoi = {c: i for i, c in enumerate(chars)}
-
-        def encode(s):
-            bad = sorted({c for c in s if c not in stoi})
-            if bad:
-                raise UserError(f"characters {''.join(bad)!r} are not in this "
-                                f"model's vocabulary ({chars!r})")
-            return [stoi[c] for c in s]
-        return encode, lambda ids: "".join(chars[i] for i in ids)
-    if meta.get("tokenizer") == "pieces":
-        pieces = meta["pieces"]
-        stoi = {p: i for i, p in enumerate(pieces)}
-        longest = max(map(len, pieces))
-
-        def encode(s):
-            ids, i = [], 0
-            while i < len(s):
-                n = next((n for n in range(min(longest, len(s) - i), 0, -1) if s[i:i + n] in stoi), 0)
-                if not n:
-                    raise UserError(f"{s[i:i + 8]!r} (at character {i}) starts with no token of "
-                                    f"this model's vocabulary of {len(pieces)} pieces")
-                ids.append(stoi[s[i:i + n]])
-                i += n
-            return ids
-        return encode, lambda ids: "".join(pieces[i] for i in ids)
-    if meta.get("tokenizer") == "hf":
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
-                            "(pip install tokenizers); --prompt_ids works without it")
-        try:
-            tok = Tokenizer.from_file(meta["path"])
-        except Exception as e:
-            # a missing, truncated or foreign file: the library's own message
-            raise UserError(f"{meta['path']}: not a readable tokenizer.json "
-                            f"({str(e).splitlines()[0][:160]})")
-        encode = lambda s: tok.encode(s, add_special_tokens=False).ids
-        return encode, lambda ids: tok.decode(ids, skip_special_tokens=False)
-    if meta.get("tokenizer") == "gpt2":
+        return pieces_tokenizer(meta["chars"], "characters")
+    if kind == "pieces":
+        return pieces_tokenizer(meta["pieces"], "pieces")
+    if kind == "hf":
+        return hf_tokenizer_of(meta["path"])
+    if kind == "gpt2":
         enc = gpt2_encoding(tiktoken_file)
         return (lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})), enc.decode
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta; "
-                    "allowed: char, pieces, gpt2, hf")
+    raise UserError(f"unknown tokenizer {json.dumps(kind)} in meta; allowed: char, pieces, gpt2, hf")
+
+
+def pieces_tokenizer(pieces, what):
+    """A vocabulary of characters or of pieces: the longest piece first at every position."""
+    stoi = {p: i for i, p in enumerate(pieces)}
+    longest = max(map(len, pieces))
+
+    def encode(s):
+        ids, i = [], 0
+        while i < len(s):
+            n = next((n for n in range(min(longest, len(s) - i), 0, -1) if s[i:i + n] in stoi), 0)
+            if not n:
+                if what == "characters":
+                    bad = sorted({c for c in s if c not in stoi})
+                    raise UserError(f"characters {''.join(bad)!r} are not in this "
+                                    f"model's vocabulary ({''.join(pieces)!r})")
+                raise UserError(f"{s[i:i + 8]!r} (at character {i}) starts with no token of "
+                                f"this model's vocabulary of {len(pieces)} pieces")
+            ids.append(stoi[s[i:i + n]])
+            i += n
+        return ids
+    return encode, lambda ids: "".join(pieces[i] for i in ids)
+
+
+def hf_tokenizer_of(path):
+    """An Ouro folder's tokenizer.json, through the optional `tokenizers` package."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UserError("this model's tokenizer.json needs the optional `tokenizers` package "
+                        "(pip install tokenizers); --prompt_ids works without it")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:
+        # a missing, truncated or foreign file: the library's own message
+        raise UserError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]})")
+    return (lambda s: tok.encode(s, add_special_tokens=False).ids,
+            lambda ids: tok.decode(ids, skip_special_tokens=False))
 
 
 # ---------------------------------------------------------------------- as a Hugging Face tokenizer

@@ -496,9 +496,41 @@ def main(argv):
     c = SimpleNamespace(**parse(argv, DEFAULTS, RULES, __file__, given, NEEDS))
     check_config(c, given)
     set_threads(c.threads)
+    run = build_run(c, given)
+    if c.eval_only:  # one evaluation, printed; nothing is written
+        metrics = evaluate(run.model, run.val, run.labels, c, run.prior, run.ctx, run.device, run.item_labels)
+        if run.master:
+            print(json.dumps(run.record_of(run.iter_num, metrics)))
+        return metrics
+    lock = lock_out_dir(c) if run.master else None        # before the first write into out_dir
+    try:
+        run.log_file, run.pending = log_target(c, run.master)
+        if run.resumed_at is not None and run.master:
+            trim_log(os.path.join(c.out_dir, "log.jsonl"), run.resumed_at)
+        try:
+            metrics = train_loop(c, run, run.iter_num, run.resumed_at)
+        finally:   # interrupted before this run's first checkpoint: its log has nothing to go with
+            if run.master and run.pending and os.path.exists(run.log_file):
+                os.remove(run.log_file)
+    finally:
+        if lock is not None:
+            lock.close()
+    if run.master and metrics is not None:
+        print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
+              f"{metrics['val_loss_ragged']} vs unigram baseline {run.baseline:.4f}; checkpoint: "
+              f"{os.path.join(c.out_dir, 'ckpt.pt')}", file=sys.stderr)
+    if run.world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return metrics
+
+
+def build_run(c, given):
+    """Everything a run trains with: its processes, the model (new, resumed or branched) and its
+    optimizer, the data and its random streams, the prior, the objective's flags, and how it records
+    an evaluation."""
     rank, world, device = setup_distributed(c)
-    master = rank == 0
-    n_micro = micro_batches(c, world)
+    master, n_micro = rank == 0, micro_batches(c, world)
     seed_everything(c.seed)
     meta = None if c.init_from == "resume" else dataset_meta(c, master, world)
     data_gen = torch.Generator().manual_seed(c.seed)       # batches: the same on every rank
@@ -506,9 +538,6 @@ def main(argv):
     model, optimizer, iter_num, resumed_at = start_model(c, meta, device, master, data_gen, exit_gen, given)
     meta = meta or dataset_meta(c, master, world)          # a resumed run: the dataset it was trained on
     train, val, labels, item_labels = load_data(c, model.config.vocab_size)
-    ctx = autocast(c, device)
-    U = model.config.n_loops
-    prior = exit_prior(c.prior, U, c.prior_lambda).to(device)
     baseline = unigram_loss(train, val, model.config.vocab_size)
     tokens_per_iter = c.batch_size * c.block_size * n_micro
     if master:
@@ -517,40 +546,13 @@ def main(argv):
     def record_of(it, metrics):
         return {"iter": it, "tokens": it * tokens_per_iter, **metrics,
                 "beta": beta_schedule(it / c.max_iters, c.beta), "unigram_loss": round(baseline, 5)}
-
-    if c.eval_only:  # one evaluation, printed; nothing is written
-        metrics = evaluate(model, val, labels, c, prior, ctx, device, item_labels)
-        if master:
-            print(json.dumps(record_of(iter_num, metrics)))
-        return metrics
-    objective = Objective(**{f.name: getattr(c, f.name) for f in fields(Objective)})   # the flags of the loss
-    run = SimpleNamespace(model=model, optimizer=optimizer, meta=meta, data_gen=data_gen, exit_gen=exit_gen,
-                          master=master, rank=rank, world=world, n_micro=n_micro, device=device, ctx=ctx,
-                          prior=prior, objective=objective, record_of=record_of, train=train, val=val, labels=labels,
-                          item_labels=item_labels)
-    lock = lock_out_dir(c) if master else None            # before the first write into out_dir
-    try:
-        run.log_file, run.pending = log_target(c, master)
-        if resumed_at is not None and master:
-            trim_log(os.path.join(c.out_dir, "log.jsonl"), resumed_at)
-        try:
-            metrics = train_loop(c, run, iter_num, resumed_at)
-        finally:   # interrupted before this run's first checkpoint: its log has nothing to go with
-            if master and run.pending and os.path.exists(run.log_file):
-                os.remove(run.log_file)
-    finally:
-        if lock is not None:
-            lock.close()
-    if master and metrics is not None:
-        print(f"val loss (best fixed depth) {min(metrics['val_loss_fixed']):.4f}, ragged "
-              f"{metrics['val_loss_ragged']} vs unigram baseline {baseline:.4f}; checkpoint: "
-              f"{os.path.join(c.out_dir, 'ckpt.pt')}", file=sys.stderr)
-    if world > 1:
-        import torch.distributed as dist
-        dist.destroy_process_group()
-    return metrics
-
-
+    return SimpleNamespace(model=model, optimizer=optimizer, meta=meta, data_gen=data_gen, exit_gen=exit_gen,
+                           master=master, rank=rank, world=world, n_micro=n_micro, device=device,
+                           ctx=autocast(c, device), prior=exit_prior(c.prior, model.config.n_loops,
+                                                                     c.prior_lambda).to(device),
+                           objective=Objective(**{f.name: getattr(c, f.name) for f in fields(Objective)}),
+                           record_of=record_of, train=train, val=val, labels=labels, item_labels=item_labels,
+                           iter_num=iter_num, resumed_at=resumed_at, baseline=baseline)
 
 
 if __name__ == "__main__":

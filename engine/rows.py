@@ -71,9 +71,9 @@ class RowsView:
         self.parts = attention_parts(groups, impl, device)
         self.sizes = [lengths.shape[0] * (ids.shape[0] if kind == "chunks" else 1)
                       for kind, ids, lengths in self.parts]
-        # every layer reads the same tables with queries of the same shape: they are checked in the
-        # first layer, and the torch reference's gather list, mask or grid is built once per pass
-        # too
+        # every layer reads the same tables with queries of the same shape: they are checked
+        # in the first layer, and the torch reference's gather list, mask or grid is built
+        # once per pass too
         self.plans = [grid_of(ids) if kind == "chunks" else
                       gather_plan(ids, lengths, device) if impl == "torch" else None
                       for kind, ids, lengths in self.parts]

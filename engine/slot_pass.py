@@ -229,10 +229,10 @@ def decide_exits(st, R, gate):
     return newly, runs_on, survive
 
 
-# A pass's draw, the cheapest that gives every row its own token: "greedy" when every request is
-# (the argmax), "plain" when some row samples and none asks for top-k or top-p (the Gumbel-max over
-# the whole vocabulary, the greedy rows' argmax in the same kernel), "nucleus" when some row does
-# (sorted).
+# A pass's draw, the cheapest that gives every row its own token: "greedy" when every request
+# is (the argmax), "plain" when some row samples and none asks for top-k or top-p (the Gumbel-
+# max over the whole vocabulary, the greedy rows' argmax in the same kernel), "nucleus" when
+# some row does (sorted).
 SAMPLING = ("greedy", "plain", "nucleus")
 
 
@@ -283,9 +283,9 @@ def advance_rows(st, R, h_next, survive, newly, runs_on, stop, tok, emit, logits
     id) or that position has no pages yet; until then it holds the token. The others go idle."""
     req, pos, depth = st.req[:R], st.pos[:R], st.depth[:R]
     pend = torch.where(emit, tok, st.pend[:R])
-    # Per request slot, over its rows: tokens emitted, whether one is a stop id, whether a row runs
-    # on. A one-hot [S+1, R] compare and one fused reduction (an index_add_ lowers to a sort on
-    # CUDA).
+    # Per request slot, over its rows: tokens emitted, whether one is a stop id, whether a
+    # row runs on. A one-hot [S+1, R] compare and one fused reduction (an index_add_ lowers
+    # to a sort on CUDA).
     stop_id = emit & (st.stop_ids[req] == tok[:, None]).any(1)
     mine = req[None, :] == torch.arange(st.S + 1, device=req.device)[:, None]
     emitted = (mine & emit[None, :]).sum(1)

@@ -123,8 +123,8 @@ class SlotRunner(Runner):
         self.attn, self.fixed = attn, scheduler == "fixed"
         self.depths = torch.arange(self.U)[None, :]
         self.sync_every, self.due_every = sync_every, due_every
-        # request slots: twice max_batch, as a slot freed while passes it ran in are unread waits
-        # for their log
+        # request slots: twice max_batch, as a slot freed while passes it ran in are unread
+        # waits for their log
         R, S, n_keys = max_rows + 2 * max_batch, 2 * max_batch, self.model.config.block_size
         self.slots = Slots(self.model, pool, R, S, n_keys, max(sync_every, self.U), n_stop,
                            keep_logits)
@@ -152,12 +152,16 @@ class SlotRunner(Runner):
         # that waited for the device; drained: passes whose log was read with no pass launched
         # behind them (the device then waits for the host)
         stats.update(launched=0, waits=0, drained=0)
-        # every kind of pass it runs, now: serving never stalls on a first use
         if self.graphs is not None:
-            buckets = sorted({bucket(n, R) for n in range(1, R + 1)})
-            heads = (True,) if not self.fixed or self.U == 1 else (False, True)   # a wave: both
-            self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads
-                                     for k in sampling], self._pass)
+            self._capture_all(R, n_keys, sampling)
+
+    def _capture_all(self, R, n_keys, sampling):
+        """Every kind of pass it runs, captured now (serving never stalls on a first use): each bucket
+        of rows, with the LM head (a fixed wave: and without), each draw."""
+        buckets = sorted({bucket(n, R) for n in range(1, R + 1)})
+        heads = (True,) if not self.fixed or self.U == 1 else (False, True)
+        self.graphs.capture_all([(b, n_keys, h, k) for b in buckets for h in heads for k in sampling],
+                                self._pass)
 
     # --------------------------------------------------------- the contract: what differs by design
 
@@ -415,8 +419,8 @@ class SlotRunner(Runner):
         longest = max(s.started for s in running) + sum(len(w) for w in waves)
         if self.ticket is not None:
             longest += len(self.ticket.launched)
-        # the torch read gathers n_keys keys a row: as few as the longest row needs, but all under
-        # graphs
+        # the torch read gathers n_keys keys a row: as few as the longest row needs,
+        # but all under graphs
         n_keys = st.n_keys if self.attn == "triton" or self.graphs is not None else bucket(longest, st.n_keys)
         launched = []
         for head in (h for wave in waves for h in wave):

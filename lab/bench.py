@@ -46,10 +46,10 @@ from engine.shared_head import HEADS
 from serve_depthbatch import Engine
 
 DEFAULTS = dict(
-    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth batching
-                           # (lab/bench_engine.py); train: objectives; gpu: graphed against eager at
-                           # Ouro-1.4B's shape; memory: training start-up's peak memory against the
-                           # data's size
+    what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth
+                           # batching (lab/bench_engine.py); train: objectives; gpu: graphed against
+                           # eager at Ouro-1.4B's shape; memory: training's peak memory at start-up
+                           # against the size of the data
     ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
@@ -92,8 +92,8 @@ RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">=
              else "expected greedy, paper or greedy,paper",
              batches=lambda v: check("batches", v, "ints >= 1") if v else None,
              gpu_shape=["ouro1.4b", "tiny"])
-# which --what each key is for (its comment says so too): set for another, it would do nothing, and
-# is refused
+# which --what each key is for (its comment says so too): set for another, it would do
+# nothing, and so it is refused
 FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode",
                 repeats="decode train", thr="decode",
                 steps="train", batch_size="train", block_size="train", shape="engine",

@@ -169,8 +169,8 @@ def queue_bench(model, c, thr, batches, bar):
         for k, r in best.items():
             r["workload"] = "queue"
             r["ratio_vs_fixed"] = r["tok_s"] / fastest(fixed)["tok_s"]
-            # each round against the fixed engine of the same round: the spread that fastest-of
-            # hides
+            # each round against the fixed engine of the same round: the
+            # spread that fastest-of hides
             r["ratio_rounds"] = [t["tok_s"] / f["tok_s"] for t, f in zip(tries[k], fixed)]
             # prefill rows included
             r["work_ratio"] = fastest(fixed)["row_depths"] / r["row_depths"]
@@ -178,8 +178,8 @@ def queue_bench(model, c, thr, batches, bar):
     return runs
 
 
-# How the fixed batch samples: greedy (lab/eval.py's tasks) or the paper's sampling (sample.py's
-# defaults).
+# How the fixed batch samples: greedy (lab/eval.py's tasks) or the
+# paper's sampling (sample.py's defaults).
 SAMPLINGS = {"greedy": (0.0, 1.0), "paper": (1.0, 0.7)}    # (temperature, top-p)
 
 
@@ -253,8 +253,8 @@ def batch_run(model, prompts, n_new, config, thr, c, sampling=(0.0, 1.0), hf=Non
     seconds = time.perf_counter() - t0
     dec = [x for r in reqs for x in r.decode_exits]
     avg = sum(dec) / len(dec)
-    # the deepest request alone: its prompt chunk's passes, then one pass per depth of every decode
-    # token
+    # the deepest request alone: its prompt chunk's passes, then one pass per depth
+    # of every decode token
     makespan = max(max(r.prompt_exits) + sum(r.decode_exits) for r in reqs)
     return dict(scheduler=scheduler, mode=mode, head=head, thr=None if mode == "fixed" else thr,
                 seconds=seconds,

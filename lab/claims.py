@@ -45,13 +45,13 @@ POINTER_TASKS = {"pointer": ("ptr", "Pointer task"),
                                   "several tokens)")}
 TASK_PRIORS = {"pointer": POINTER_PRIORS, "hops": POINTER_PRIORS, "graded": ["poisson"],
                "graded_multi": ["poisson"]}
-# the hardest item of each task's data and builtin suite (hops: the levels its model learns every
-# time)
+# the hardest item of each task's data and builtin suite (hops: the levels its
+# model learns every time)
 MAX_K = {"pointer": 4, "hops": 2, "graded": 4, "graded_multi": 4}
 PREFIX = {"synthetic": "syn", "shakespeare": "shk", **{d: p for d, (p, _) in POINTER_TASKS.items()}}
 MIN_MODELS = 3                     # rule 4: the fewest trained models (or parents) a scope a verdict rests on
-# the ragged-aware methods branched off each dataset's parents (App. C; the look-up tasks: the
-# direct one)
+# the ragged-aware methods branched off each dataset's parents (App. C; the look-up
+# tasks: the direct one)
 RA_METHODS = {"synthetic": ["direct", "counterfactual", "reinforce4"], "hops": ["direct"],
               "graded": ["direct"]}
 GRADED_SEEDS = 5                   # the graded task's seeds a scope (its ragged-aware rows: 5 parents)
@@ -197,9 +197,9 @@ def position_exits(suite, mode, k, part):
     return rollouts(suite, mode, k, "sum_exits") - rollouts(suite, mode, k, "answer_depth"), length
 
 
-# a ragged mode's depth axis (rule 1): ETE-Ragged runs every position ragged, so its compute is the
-# mean exit over the whole item; Dense-Ragged runs the prompt at all U loops, its ragged part is the
-# decode
+# a ragged mode's depth axis (rule 1): ETE-Ragged runs every position ragged, so its compute is
+# the mean exit over the whole item; Dense-Ragged runs the prompt at all U loops, its ragged
+# part is the decode
 AXES = {"ete_ragged": ("item", "the whole item's mean depth (Σ e / tokens)"),
         "dense_ragged": ("decode", "the decode's mean depth")}
 

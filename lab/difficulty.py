@@ -124,8 +124,8 @@ def pointer_prior_claims(R, data, prior):
               for s in items for b in items[s]]
     gain, reps = replicates(groups, np.subtract, seed=stream(data, prior, "gain"))
     need = dict(holds=sign_of(reps) > 0 and gain >= 0.1)
-    # the answer's exit depth at the hardest k minus the easiest: different items, so two arrays a
-    # model
+    # the answer's exit depth at the hardest k minus the easiest: different items, so
+    # two arrays a model
     rise = {s: replicates_own([(rollouts(b, "ete_ragged@0.5", hard, "answer_depth"),
                                 rollouts(b, "ete_ragged@0.5", lo, "answer_depth"))
                                for b in items[s]],
