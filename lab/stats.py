@@ -76,6 +76,34 @@ def interval(reps):
     return float(lo), float(hi)
 
 
+MC_SE = 3          # an endpoint nearer a margin than this many Monte Carlo standard errors: unsettled
+
+
+def mc_error(reps, q):
+    """The Monte Carlo standard error of the q-th percentile of bootstrap replicates: the spread of
+    that percentile over ten batches of them, over the square root of ten."""
+    batches = [np.nanpercentile(b, q) for b in np.array_split(np.asarray(reps, float), 10)]
+    return float(np.std(batches, ddof=1) / np.sqrt(len(batches)))
+
+
+def unsettled(reps, margins):
+    """Whether an endpoint of the 95% interval lies within MC_SE Monte Carlo errors of a margin it is
+    compared with: then a verdict would depend on the draw."""
+    (lo, hi), errors = interval(reps), (mc_error(reps, 2.5), mc_error(reps, 97.5))
+    return any(abs(end - m) < MC_SE * err for end, err in ((lo, errors[0]), (hi, errors[1]))
+               for m in margins)
+
+
+def per_model_settled(groups, stat, margins, seed):
+    """per_model, with enough draws that the interval's endpoints are settled against the margins
+    they are judged by: N_BOOT, then ten times as many where an endpoint lies within its Monte Carlo
+    error of a margin. Returns (mean, replicates, own, settled)."""
+    value, reps, own = per_model(groups, stat, seed=seed)
+    if unsettled(reps, margins):
+        value, reps, own = per_model(groups, stat, n=10 * N_BOOT, seed=seed)
+    return value, reps, own, not unsettled(reps, margins)
+
+
 def ci(value, reps, p=2):
     lo, hi = interval(reps)
     return f"{value:.{p}f} [{lo:.{p}f}, {hi:.{p}f}]"
@@ -101,14 +129,19 @@ def boot_diff(a, b, labels, n=N_BOOT):
     return a[ra.integers(0, len(a), (n, len(a)))].mean(1) - b[rb.integers(0, len(b), (n, len(b)))].mean(1)
 
 
+TIE = 1e-9        # a model's value within this of 0 is a tie: floating-point residuals are no direction
+
+
 def sign_test(values, word="above 0"):
     """Rule 4's check over the models beside a bootstrap interval: how many models' own values lie
-    above 0 (a model at exactly 0 counts for neither side) and the two-sided sign test's p."""
+    above 0 and the two-sided sign test's p over the models that are not ties (a value within TIE of
+    0: floating-point residue, not a direction), with the ties counted."""
     v = np.asarray(values, dtype=float)
-    up, down = int((v > 0).sum()), int((v < 0).sum())
-    n = up + down
+    up, down = int((v > TIE).sum()), int((v < -TIE).sum())
+    n, ties = up + down, len(v) - up - down
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(min(up, down) + 1)) / 2 ** n) if n else 1.0
-    return f"{up} of {len(v)} models {word}, sign test p {p:.2f}"
+    return (f"{up} of {len(v)} models {word}" + (f", {ties} tied" if ties else "")
+            + f", sign test p {p:.2f}")
 
 
 def permutation_test(a, b):

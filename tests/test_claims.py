@@ -49,7 +49,7 @@ def test_the_tests_over_the_models_count_as_by_hand():
     up, down = int((v > 0).sum()), int((v < 0).sum())
     p = min(1.0, 2 * sum(math.comb(7, i) for i in range(min(up, down) + 1)) / 2 ** 7)
     assert stats.sign_test(v) == f"{up} of 7 models above 0, sign test p {p:.2f}"
-    assert stats.sign_test([0.0, 1.0, -1.0], "better") == "1 of 3 models better, sign test p 1.00"
+    assert stats.sign_test([0.0, 1.0, -1.0], "better") == "1 of 3 models better, 1 tied, sign test p 1.00"
     a, b = g.normal(5, 0.1, 3), g.normal(0, 0.1, 3)
     assert stats.permutation_test(a, b).endswith("p 0.10")                # 2 of the 20 splits are as far apart
     a, b = g.normal(0, 1, 4), g.normal(0, 1, 3)
@@ -57,6 +57,29 @@ def test_the_tests_over_the_models_count_as_by_hand():
     count = sum(abs(pooled[list(s)].mean() - np.delete(pooled, list(s)).mean()) >= observed - 1e-12
                 for s in itertools.combinations(range(7), 4))
     assert stats.permutation_test(a, b).endswith(f"p {count / 35:.2f}")
+
+
+def test_floating_point_residue_is_a_tie_not_a_direction():
+    """A model whose value is ±1e-17 (what a gap of exactly 0 comes out as) counts for neither side of the
+    sign test, and the count of ties is said; a real difference still counts."""
+    assert stats.sign_test([1e-17, -1e-17, 0.0]) == "0 of 3 models above 0, 3 tied, sign test p 1.00"
+    assert stats.sign_test([0.2, 0.3, -1e-17]) == "2 of 3 models above 0, 1 tied, sign test p 0.50"
+    assert stats.sign_test([0.2, -0.1, 0.3]) == "2 of 3 models above 0, sign test p 1.00"
+
+
+def test_a_verdict_never_rests_on_the_monte_carlo_draw():
+    """An interval whose endpoint lies within its Monte Carlo error of the margin is redrawn ten times
+    as often, and settled is what those draws say (where it is still within, a verdict is
+    'untested'); one far from its margin is settled at the first draw."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    groups = [(rng.normal(1.0, 1.0, 200),) for _ in range(4)]
+    mean = lambda x: x
+    value, reps, _, settled = stats.per_model_settled(groups, mean, (-5.0,), seed=1)
+    assert settled and len(reps) == stats.N_BOOT
+    hi = stats.interval(reps)[1]
+    value, reps, _, settled = stats.per_model_settled(groups, mean, (hi,), seed=1)   # the margin at the end
+    assert len(reps) == 10 * stats.N_BOOT and settled == (not stats.unsettled(reps, (hi,)))
+    assert stats.mc_error(reps, 97.5) > 0 and stats.unsettled(reps, (stats.interval(reps)[1],))
 
 
 def test_scopes_drawn_apart_draw_their_own_random_numbers():
