@@ -172,6 +172,28 @@ def ladder_row(name, axis, scope, entering, runs, targets):
                verdict=v, runs=runs)
 
 
+def runs_table(R):
+    """RESULTS.md's table of the ladder's runs: how each was made and what it cost (each curriculum
+    stage's commit and CPU minutes, the measurement's commit), and what it reads."""
+    if not R:
+        return []
+    lines = ["", "### The ladder's runs", "",
+             "Each run of `python -m lab.ladder` (rules and stages: lab/ladder.py): its curriculum "
+             "stages (k <= 2 to step 1,000, then k <= 4 to step 3,000), the commit and CPU minutes of "
+             "each, the commit it was measured at, and its calibration accuracy at fixed@1..4 (every "
+             "answer of 200 items).", "",
+             "| run | stage commits (CPU min) | measured at | fixed@1..4 | KL(π̄ ‖ prior) | enters |",
+             "|---|---|---|---|---|---|"]
+    for name, r in sorted(R.items()):
+        stages = ", ".join(f"{s['commit'][:7]}{'+' if s['dirty'] else ''} ({s['cpu_seconds'] / 60:.0f})"
+                           for s in r.get("stages", []))
+        F = fixed(r["sets"]["calibration"]).mean(1)
+        lines.append(f"| {name} | {stages} | {r['measured']['commit'][:7]}"
+                     f"{'+' if r['measured']['dirty'] else ''} | {' / '.join(f'{v:.2f}' for v in F)} | "
+                     f"{r['final']['kl_global']:.4f} | {'yes' if entry(r)[0] else 'no'} |")
+    return lines
+
+
 # ----------------------------------------------------------------------------- the figure
 
 def draw(R, path):
@@ -188,7 +210,8 @@ def draw(R, path):
     for ax, r in zip(axes[0], models):
         F = fixed(r["sets"]["judging"])
         ax.plot(range(1, len(F) + 1), F.mean(1), "k-o", label="fixed@d")
-        for mode, marker in (("ete", "s"), ("dense_ragged", "^"), ("gate_free", "x")):
+        for mode, marker, label in (("ete", "s", "ETE-Ragged"), ("dense_ragged", "^", "Dense-Ragged"),
+                                    ("gate_free", "x", "gate-free (KL)")):
             xs, ys, err = [], [], []
             for key in dict.fromkeys(points(r, mode).values()):
                 q, s, n, *_ = units(r, mode, key)
@@ -197,7 +220,7 @@ def draw(R, path):
                 xs.append(s.sum() / n.sum())
                 ys.append(q.mean())
                 err.append((q.mean() - lo, hi - q.mean()))
-            ax.errorbar(xs, ys, yerr=np.array(err).T, fmt=marker, label=MODES[mode][0].split(",")[0])
+            ax.errorbar(xs, ys, yerr=np.array(err).T, fmt=marker, label=label)
         ax.set_title(r["name"], fontsize=8)
         ax.set_xlabel("mean depth")
         ax.set_ylim(0, 1.05)

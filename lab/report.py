@@ -17,6 +17,7 @@ import numpy as np
 
 from lab.claims import (QUICK, THRS, base_runs, deepest, every_k, flat_beta_claims, frontier_claims,
                         jump_claims, levels_of, position_exits, ra_claims, rollouts)
+from lab import ladder_claims
 from lab.difficulty import difficulty_claims, graded_runs, need_claims, pointer_claims
 from lab.stats import ci, replicates
 
@@ -200,8 +201,11 @@ def table_rows(results):
 
 def write_results(results, out, size, setup, figures, notes=None):
     """RESULTS.md in `out`: setup, a sentence on how the grid trains; notes, a person's reading of
-    the runs (results/notes.md), or None."""
-    rows = claims(results, judged=size == "full")
+    the runs (results/notes.md), or None. With the full grid, the ladder's rows too (lab/ladder.py's
+    runs in out/ladder, judged by lab/ladder_claims.py)."""
+    ladder = ladder_claims.load(os.path.join(out, "ladder")) if size == "full" else {}
+    rows = claims(results, judged=size == "full") + [
+        dict(c, reruns="", untraced=[]) for c in ladder_claims.claim_rows(ladder)]
     lines = [f"# Reproducing the paper at CPU scale ({size})", "", setup, "", "## The paper's "
              "claims, checked", "",
              "Each verdict follows its rule from the numbers: 95% bootstrap intervals draw the "
@@ -213,6 +217,7 @@ def write_results(results, out, size, setup, figures, notes=None):
              "has a verdict.", ""]
     R = {r["name"]: r for r in results}
     lines += claims_table(rows) + [""] + claim_details(rows) + graded_tables(R) + multi_tables(R)
+    lines += ladder_claims.runs_table(ladder)
     if notes:
         lines += ["", notes.strip()]
     lines += ["", "## Every run", "", EVERY_RUN, "", "| " + " | ".join(COLUMNS) + " |",

@@ -60,6 +60,7 @@ from checkpoint import load_checkpoint, write_json
 from lab.claims import GRADED_SEEDS, MAX_K, POINTER_TASKS, RA_METHODS, TASK_PRIORS, THRS
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli,
                          set_threads, split_list)
+from lab import ladder_claims
 from lab.figures import draw
 from lab.report import write_results
 from model import forward_ragged
@@ -408,6 +409,11 @@ def main(argv):
             results.append(json.load(f))
     seeds = [c["seed"] + i for i in range(c["seeds"])]
     figures = draw(results, c["out"], seeds) if c["plots"] else []
+    ladder = ladder_claims.load(os.path.join(c["out"], "ladder")) if size == "full" else {}
+    if c["plots"] and ladder and ladder_claims.draw(ladder, os.path.join(c["out"], "figures",
+                                                                          "ladder_frontier.png")):
+        figures.append(("ladder_frontier.png", "The ladder (lab/ladder.py): each entering model's "
+                        "fixed depths and its operating points, accuracy over every answer (Figure 1)"))
     untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
     missing = [n for n in runs if not finished(n)]
     setup = (f"Written by `python -m lab.reproduce {'--full' if size == 'full' else '--quick'}`. Every run trains from "

@@ -465,3 +465,52 @@ def test_a_quick_grid_is_not_judged():
     assert any(c["holds"] for c in judged) and [c["numbers"] for c in judged] == [c["numbers"] for c in quick]
     assert {c["verdict"] for c in quick} == {claims.QUICK} and not any(c["holds"] is not None for c in quick)
 
+
+# ----------------------------------------------------------------------------- the ladder's rules
+
+def ladder_run(name, steps, scope="local", kl=0.01, items=40, seed=0):
+    """A measured ladder model, constructed: per set, fixed@1..4's answers right a step apart by
+    `steps` (shares of the four answers), and ETE-Ragged at three thresholds with known depths."""
+    rng = np.random.default_rng(seed)
+    base = np.cumsum([0.2] + list(steps))
+    def one_set():
+        fixed = [list(np.clip(np.round((b + rng.normal(0, 0.02, items)) * 4), 0, 4).astype(int)) for b in base]
+        grid = {t: dict(right=list(np.full(items, 4)), sum_e=list(np.full(items, int(d * 10))))
+                for t, d in (("0.1", 1.3), ("0.5", 2.2), ("0.9", 3.8))}
+        return dict(k=[1] * items, positions=[10] * items, fixed=fixed, ete=grid,
+                    dense_ragged={t: dict(g, n=[10] * items) for t, g in grid.items()}, gate_free=grid)
+    return dict(name=name, config={"prior": "uniform", "global_kl": scope == "global", "seed": seed},
+                final={"kl_global": kl}, sets={"calibration": one_set(), "judging": one_set()})
+
+
+def test_the_ladder_admits_only_models_that_climb_it():
+    """Rules 2-3: a model whose every loop answers better enters; one that stops climbing after depth
+    2 does not; a global model that climbs but ends off its prior (KL(π̄ ‖ prior) > 0.02) does not."""
+    from lab import ladder_claims as lc
+    assert lc.entry(ladder_run("climbs", [0.25, 0.25, 0.25]))[0]
+    assert not lc.entry(ladder_run("flat", [0.25, 0.0, 0.0]))[0]
+    assert lc.entry(ladder_run("on-prior", [0.25, 0.25, 0.25], "global", kl=0.015))[0]
+    assert not lc.entry(ladder_run("off-prior", [0.25, 0.25, 0.25], "global", kl=0.05))[0]
+
+
+def test_the_operating_points_are_the_thresholds_nearest_each_target():
+    """Rule 4: for each target depth the threshold whose calibration depth is nearest, not interpolated;
+    several targets may share one."""
+    from lab import ladder_claims as lc
+    got = lc.points(ladder_run("m", [0.25, 0.25, 0.25]), "ete")
+    assert got == {1.25: "0.1", 1.75: "0.1", 2.25: "0.5", 2.75: "0.5", 3.25: "0.9", 3.75: "0.9"}
+
+
+def test_fewer_than_three_climbers_read_untested_no_ladder():
+    """Rules 3 and 1: two entering models of three read 'untested (no ladder: 2 of 3 models)'; with three
+    the frontier is judged (here ragged answers everything at every depth: above the envelope)."""
+    from lab import ladder_claims as lc
+    R = {f"lad-local-uniform-s{i}": ladder_run(f"lad-local-uniform-s{i}", [0.25, 0.25, 0.25], seed=i) for i in range(2)}
+    R["lad-local-uniform-s9"] = ladder_run("lad-local-uniform-s9", [0.25, 0.0, 0.0], seed=9)
+    rows = {r["claim"]: r for r in lc.claim_rows(R)}
+    ete = rows["ETE-Ragged past the fixed depths' frontier: the ladder, local"]
+    assert ete["verdict"] == "untested (no ladder: 2 of 3 models)"
+    R["lad-local-uniform-s3"] = ladder_run("lad-local-uniform-s3", [0.25, 0.25, 0.25], seed=3)
+    ete = {r["claim"]: r for r in lc.claim_rows(R)}["ETE-Ragged past the fixed depths' frontier: the ladder, local"]
+    assert ete["here"].startswith("3 of 4 models enter") and ete["verdict"] == "yes"
+
