@@ -50,10 +50,11 @@ def atomic_write(path, write):
         raise
 
 
-def write_json(path, obj):
+def write_json(path, obj, indent=2):
+    """obj as JSON at path, atomically (indent None: one line, for records of many numbers)."""
     def write(tmp):
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
+            json.dump(obj, f, indent=indent)
     atomic_write(path, write)
 
 

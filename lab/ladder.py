@@ -277,7 +277,7 @@ def measure(folder):
                         for name, items in item_sets().items()})
     with open(os.path.join(folder, "stages.json")) as f:
         result["stages"] = json.load(f)
-    write_json(os.path.join(folder, "result.json"), result)
+    write_json(os.path.join(folder, "result.json"), result, indent=None)     # per item: compact
     return result
 
 
