@@ -372,6 +372,35 @@ def check_size(out, size):
                         "their own (give another --out)")
 
 
+def report(c, size, results, missing):
+    """RESULTS.md and the figures from the finished runs (the ladder's, in out/ladder, beside them)."""
+    seeds = [c["seed"] + i for i in range(c["seeds"])]
+    figures = draw(results, c["out"], seeds) if c["plots"] else []
+    ladder = ladder_claims.load(os.path.join(c["out"], "ladder")) if size == "full" else {}
+    if c["plots"] and ladder and ladder_claims.draw(ladder, os.path.join(c["out"], "figures",
+                                                                          "ladder_frontier.png")):
+        figures.append(("ladder_frontier.png", "The ladder (lab/ladder.py): each entering model's "
+                        "fixed depths and its operating points, accuracy over every answer (Figure 1)"))
+    untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
+    setup = (f"Written by `python -m lab.reproduce {'--full' if size == 'full' else '--quick'}`. Every run trains from "
+             f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
+             f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
+             f"{SIZES[size]['branch_seeds']} seed(s) (the graded task's: every seed's) for "
+             f"{SIZES[size]['branch_iters']} steps, beside a dense continuation on the same data order and one on "
+             "another (the noise floor of their margins). Losses are validation "
+             "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
+             "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time)"
+             + (f", but for {untraced} run(s) trained before it did (‡ in the claims, no training time below)."
+                if untraced else ".")
+             + (f" {len(missing)} run(s) of the grid are not finished yet ({', '.join(missing)}): their claims rest on "
+                "the runs that are." if missing else ""))
+    notes = os.path.join(ROOT, "results", "notes.md")
+    with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
+        write_results(results, c["out"], size, setup, figures, f.read() if f else None)
+    print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)",
+          file=sys.stderr)
+
+
 def main(argv):
     c = parse(argv, DEFAULTS, RULES, __file__)
     set_threads(c["threads"])
@@ -407,32 +436,7 @@ def main(argv):
     for name in filter(finished, runs):
         with open(os.path.join(c["out"], name, "result.json")) as f:
             results.append(json.load(f))
-    seeds = [c["seed"] + i for i in range(c["seeds"])]
-    figures = draw(results, c["out"], seeds) if c["plots"] else []
-    ladder = ladder_claims.load(os.path.join(c["out"], "ladder")) if size == "full" else {}
-    if c["plots"] and ladder and ladder_claims.draw(ladder, os.path.join(c["out"], "figures",
-                                                                          "ladder_frontier.png")):
-        figures.append(("ladder_frontier.png", "The ladder (lab/ladder.py): each entering model's "
-                        "fixed depths and its operating points, accuracy over every answer (Figure 1)"))
-    untraced = sum(not r.get("provenance") for r in results)      # trained before result.json recorded it
-    missing = [n for n in runs if not finished(n)]
-    setup = (f"Written by `python -m lab.reproduce {'--full' if size == 'full' else '--quick'}`. Every run trains from "
-             f"scratch with the same data order for a given seed (`{' '.join(SIZES[size]['base'])}` plus its "
-             f"objective); the ragged-aware branch-offs continue from the finished Poisson runs of the first "
-             f"{SIZES[size]['branch_seeds']} seed(s) (the graded task's: every seed's) for "
-             f"{SIZES[size]['branch_iters']} steps, beside a dense continuation on the same data order and one on "
-             "another (the noise floor of their margins). Losses are validation "
-             "cross-entropies (nats/token), ragged ones ETE-Ragged teacher-forced; the exit statistics are ETE-Ragged "
-             "at τ = 0.5. Each run's result.json records how it was made (commit, torch, threads, CPU, training time)"
-             + (f", but for {untraced} run(s) trained before it did (‡ in the claims, no training time below)."
-                if untraced else ".")
-             + (f" {len(missing)} run(s) of the grid are not finished yet ({', '.join(missing)}): their claims rest on "
-                "the runs that are." if missing else ""))
-    notes = os.path.join(ROOT, "results", "notes.md")
-    with open(notes) if size == "full" and os.path.isfile(notes) else contextlib.nullcontext() as f:
-        write_results(results, c["out"], size, setup, figures, f.read() if f else None)
-    print(f"wrote {os.path.join(c['out'], 'RESULTS.md')} ({len(results)} runs, {len(figures)} figures)",
-          file=sys.stderr)
+    report(c, size, results, [n for n in runs if not finished(n)])
     return results
 
 
