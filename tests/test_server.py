@@ -177,8 +177,9 @@ def test_http_logprobs_exit_depths_batches_and_echo_as_openai_and_vllm_take_them
     firsts = [alone(engine.model, Request(list(p), 4, thr=0.4)).tokens for p in (ids, encode("a dog"), ids)]
     assert status == 200 and [c["tokens"] for c in out["choices"]] == [t for t in firsts for _ in range(2)]
     assert out["usage"]["prompt_tokens"] == 2 * len(ids) + len(encode("a dog"))
-    status, text = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": 128})
-    assert status == 200 and len(json.loads(text)["choices"]) == 128
+    status, text = post(url + "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": 128, "user": "u-1",
+                                                  "best_of": 128, "logit_bias": {}, "suffix": None})
+    assert status == 200 and len(json.loads(text)["choices"]) == 128     # what OpenAI's clients send along
 
 
 def test_http_as_clients_send_it_chunked_bodies_short_bodies_options_and_head(http_server, monkeypatch):
