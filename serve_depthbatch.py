@@ -104,7 +104,7 @@ class EagerRunner(Runner):
         """A page for every row at its depth (the host has made room: plan), oldest request first,
         taken in one piece (ragged.alloc_wave), so that a batch that starts together reads them in
         place. Returns the groups, sorted (one-row groups, decode tokens, first, by position, as
-        the padded attention tables want them), each with its rows of the batch (Group.rows), and
+        the padded attention tables want them), each with its rows of the batch (Group.span), and
         the pages of every pass, one tensor per pass."""
         out = [(self.groups[s], range(self.groups[s].d, self.groups[s].n_run if self.waves
                                       else self.groups[s].d + 1))
@@ -115,7 +115,7 @@ class EagerRunner(Runner):
         row = 0
         for g, p in batch:
             g.live.seq.write_pages(g.pos, slice(g.d, g.d + p.shape[1]), p)   # never through an alias
-            g.rows, row = slice(row, row + len(g.pos)), row + len(g.pos)
+            g.span, row = slice(row, row + len(g.pos)), row + len(g.pos)
         n_pass = batch[0][1].shape[1] if batch else 0
         assert all(p.shape[1] == n_pass for _, p in batch), "a wave runs every group to one depth"
         groups = [g for g, _ in batch]
@@ -159,11 +159,11 @@ class EagerRunner(Runner):
         rows, newly_list, going = [], newly.tolist(), runs_on.tolist()
         for g, ks in offsets:
             for i, (k, pos) in enumerate(zip(ks, g.pos.tolist())):
-                row = g.rows.start + i
+                row = g.span.start + i
                 if newly_list[row]:
                     g.exits[k] = g.d + 1
                 rows.append((g, pos, row, newly_list[row], not going[row]))
-            g.advance(going[g.rows], runs_on[g.rows], h_next[g.rows], survive[g.rows], self.U)
+            g.advance(going[g.span], runs_on[g.span], h_next[g.span], survive[g.span], self.U)
         return rows
 
     def _sample(self, rows):

@@ -33,11 +33,11 @@ class Group:
         self.exits = [0] * len(ids)
         self.d = 0                                          # the depth the rows run next (0-based)
         self.sample_pos = None                              # whose exit samples a token
-        # its rows of this step's batch (a slice)
-        self.rows = None
+        # its span of this step's batch of rows (a slice)
+        self.span = None
 
     def offsets(self):
-        """The running rows' indices into the host lists, in batch order (row g.rows.start + i is
+        """The running rows' indices into the host lists, in batch order (row g.span.start + i is
         position pos[i] = start + offsets()[i])."""
         return (self.pos - self.start).tolist()
 
