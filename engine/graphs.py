@@ -42,12 +42,17 @@ def allow_recompiles(n=64):
 
 class CudaGraphs:
     """The CUDA API that Graphs uses, all of it in one object: whether graphs can be captured on a
-    device, a side stream for the warm-up runs, and a graph that records what a callable launches
-    and replays it. On a CPU a test stands in for this object alone (GRAPHS), so that the engine's
-    own construction and capture code runs as it would on a GPU."""
+    device, the device current while they are, a side stream for the warm-up runs, and a graph that
+    records what a callable launches and replays it. On a CPU a test stands in for this object alone
+    (GRAPHS), so that the engine's own construction and capture code runs as it would on a GPU."""
 
     def can_capture(self, device):
         return torch.device(device).type == "cuda"
+
+    def on(self, device):
+        """The device current while the runner captures and steps (cuda:N's streams, events and
+        graphs are made on the current device, not on the tensors')."""
+        return torch.cuda.device(device) if torch.device(device).type == "cuda" else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def side_stream(self):

@@ -38,6 +38,7 @@ from kernels import splits_for
 from model import fuse_projections
 from modes import MODES, decode_rule, keeps_one_depth, n_run, position_rules
 from engine.contract import Log, Runner, Said
+from engine import graphs as graph_api
 from engine.graphs import Graphs, can_capture, compiled_pass
 from engine.request import seed_bits
 from engine.slot_pass import LOG, ROWS, SAMPLING, Download, Slots, Upload, bucket, run_pass, sampling_kind
@@ -153,7 +154,8 @@ class SlotRunner(Runner):
         # behind them (the device then waits for the host)
         stats.update(launched=0, waits=0, drained=0)
         if self.graphs is not None:
-            self._capture_all(R, n_keys, sampling)
+            with graph_api.GRAPHS.on(self.device):
+                self._capture_all(R, n_keys, sampling)
 
     def _capture_all(self, R, n_keys, sampling):
         """Every kind of pass it runs, captured now (serving never stalls on a first use): each bucket
@@ -305,6 +307,10 @@ class SlotRunner(Runner):
         write (the host has made room), choose the bucket, send the host's writes, launch the passes,
         and read the log of the passes launched before them (overlap: while these run). Returns the
         Logs of the passes read."""
+        with graph_api.GRAPHS.on(self.device):       # cuda:N: its streams, events and graphs
+            return self._step(running, queued)
+
+    def _step(self, running, queued):
         waves = self._prepare(running, queued)
         ticket = self._launch(waves, running) if waves else None
         logs = []

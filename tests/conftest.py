@@ -95,9 +95,18 @@ class StandInGraphs:
 
     def __init__(self):
         self.captures, self.replays, self.modes = 0, 0, set()
+        self.current, self.captured_on, self.replayed_on = None, set(), set()   # the device made current
 
     def can_capture(self, device):
         return True
+
+    @contextlib.contextmanager
+    def on(self, device):
+        before, self.current = self.current, torch.device(device)
+        try:
+            yield
+        finally:
+            self.current = before
 
     def side_stream(self):
         return contextlib.nullcontext()
@@ -105,6 +114,7 @@ class StandInGraphs:
     def capture(self, run, pool):
         mode = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         self.captures += 1
+        self.captured_on.add(self.current)
         self.modes.add(mode)
         run()
         return Recorded(self, run, mode), pool
@@ -116,6 +126,7 @@ class Recorded:
 
     def replay(self):
         self.api.replays += 1
+        self.api.replayed_on.add(self.api.current)
         grad, inference = self.mode
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             self.run()

@@ -305,6 +305,8 @@ def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch, stan
             b = s.run([clone(r) for r in reqs])
             assert s.pool.used == 0
         assert set(s.runner.graphs.graphs) == at_start and stand_in_graphs.replays - replays == s.stats["launched"]
+        # every capture and replay with the engine's own device current (cuda:N's streams, events, graphs)
+        assert stand_in_graphs.captured_on == stand_in_graphs.replayed_on == {torch.device(s.device)}
         a = drive(Engine(model, 4000, max_batch=batch, max_rows=24, scheduler=scheduler), [clone(r) for r in reqs])
         assert_equal_runs(a, b)
     assert pending_compactions > 0
