@@ -6,7 +6,7 @@ this file before the runs they judge.
     python -m lab.ladder --stage=pilot           # 2 seeds a scope: does any model climb the ladder?
     python -m lab.ladder --stage=main            # 6 seeds a scope (8 if the pilot's learners are few)
     python -m lab.ladder --stage=family          # the global arm's other priors (means 1.75, 3.25)
-    python -m lab.ladder --report                # the verdicts (lab/ladder_claims.py), into RESULTS.md
+    python -m lab.reproduce --full --report      # the verdicts (lab/ladder_claims.py), into RESULTS.md
     python -m lab.ladder --only=lad-local-uniform-s1337        # one run
 
 The rules (set before any run; none changes after a result):
