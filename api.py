@@ -4,8 +4,9 @@ engine requests it makes, every field known or refused by name) and what its res
 choice's text cut at its stop strings, log-probabilities, exit depths and statistics).
 
 Beside OpenAI's fields a body may carry the engine's own (thr, mode, depth, top_k, prefill_thr,
-prefill_schedule, prefix_full) and `exit_depths: true`, which returns the depth each token was sampled
-at beside its log-probability. docs/serving.md lists what is accepted and what is refused, and why.
+prefill_schedule, prefix_full, draft_k, draft_depth) and `exit_depths: true`, which returns the
+depth each token was sampled at beside its log-probability. docs/serving.md lists what is accepted
+and what is refused, and why.
 """
 import json
 import time
@@ -18,7 +19,8 @@ from model import exit_stats
 from tokenizer import IM_END, chat_ids
 
 ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "thr", "mode", "depth",
-                 "prefill_thr", "prefill_schedule", "prefix_full"}   # body fields that are Request fields
+                 "prefill_thr", "prefill_schedule", "prefix_full",
+                 "draft_k", "draft_depth"}   # body fields that are Request fields
 ACCEPTED = {"model", "user", "stream_options", "n", "stream", "stop", "seed", "prompt", "messages",
             "max_completion_tokens", "logprobs", "top_logprobs", "echo", "best_of", "suffix",
             "logit_bias", "exit_depths", "presence_penalty", "frequency_penalty"}
@@ -220,6 +222,9 @@ def engine_fields(body):
     if "depth" in f and mode != "fixed":
         raise BadRequest(f"'depth' sets the loops of mode fixed; mode {shown(mode)} decides its "
                          "depths (give 'thr')", "depth")
+    if ("draft_k" in f or "draft_depth" in f) and mode != "speculative":
+        raise BadRequest(f"'draft_k' and 'draft_depth' shape the drafts of mode speculative; mode "
+                         f"{shown(mode)} drafts nothing", "draft_k" if "draft_k" in f else "draft_depth")
     if "thr" in f and mode == "fixed":
         raise BadRequest("'thr' is the exit threshold of the ragged modes; mode 'fixed' runs "
                          "'depth' loops", "thr")

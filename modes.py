@@ -42,6 +42,9 @@ MODES = {
     "last_kv":      Mode(prompt=Rule("never", True, "last"), decode=Rule("thr", True, "last")),
     "shared_kv":    Mode(prompt=Rule("never", True, "last"), decode=Rule("thr", False, "exit")),
     "collapse_kv":  Mode(prompt=Rule("prefill", True, "exit"), decode=Rule("thr", False, "exit")),
+    # fixed@U's tokens exactly: a decoded token is drafted at a shallow depth, then verified at U
+    # (engine/speculative.py); this is the verification's rule, the draft's is draft_rule
+    "speculative":  Mode(prompt=Rule("never", False, None), decode=Rule("never", False, None)),
 }
 
 
@@ -84,6 +87,9 @@ def need(r, U):
             "position at every depth)")
 
 
+DRAFT_K_MAX = 64       # speculative mode: the most tokens drafted before a verification
+
+
 def check_request(r, cfg, n_pages):
     """The one validation of a request (the server's too): UserError naming the field when r is
     malformed or could never fit in a pool of n_pages. Reads nothing that the engine changes, so
@@ -102,6 +108,10 @@ def check_request(r, cfg, n_pages):
             ("top_k", whole(r.top_k) and r.top_k >= 0, "an integer >= 0"),
             ("depth", whole(r.depth) and 0 <= r.depth <= U,
              f"an integer in 0..{U} (0: all {U} loops)"),
+            ("draft_k", whole(r.draft_k) and 1 <= r.draft_k <= DRAFT_K_MAX,
+             f"an integer in 1..{DRAFT_K_MAX}"),
+            ("draft_depth", whole(r.draft_depth) and 0 <= r.draft_depth <= U - 1,
+             f"an integer in 0..{U - 1} (0: the exit gate at thr)"),
             ("seed", whole(r.seed) and 0 <= r.seed <= SEED_MAX, "an integer in [0, 2**64 - 1]"),
             ("prefix_full", whole(r.prefix_full) and r.prefix_full >= 0, "an integer >= 0"),
             ("prefill_schedule", r.prefill_schedule in ("", "cosine"), "'' or 'cosine'"),
@@ -125,11 +135,17 @@ def as_fixed(r, U):
         r.mode, r.depth, r.prefill_thr, r.prefill_schedule, r.prefix_full = "fixed", depth, None, "", 0
 
 
-def position_rules(r, start, end):
+def draft_rule(r):
+    """How a speculative request's draft runs: (τ, forced exit): its draft depth, or its exit gate
+    at thr (Eq. 4) when the draft depth is 0."""
+    return (r.thr, 0) if r.draft_depth == 0 else (FULL, r.draft_depth)
+
+
+def position_rules(r, start, end, draft_from=None):
     """How the rows of positions start..end-1 of request r run, by its mode (MODES, §3): per
     position the threshold τ (Eq. 4; App. E.2 for an ETE prefill), whether it runs on to its last
     depth after its exit (full), the exit it replays after a preemption (forced; 0: decide) and the
-    Table 17 depth it keeps."""
+    Table 17 depth it keeps. Positions from draft_from on are a speculative request's drafts."""
     n = len(r.prompt)
     taus, full, forced, keep = [], [], [], []
     ptaus = None
@@ -146,6 +162,10 @@ def position_rules(r, start, end):
         full.append(run_full)
         forced.append(r.exits[p] if p < len(r.exits) else 0)
         keep.append(keep_rule)
+    if draft_from is not None:            # a speculative round's drafts (engine/speculative.py)
+        tau, exit = draft_rule(r)
+        for i in range(max(draft_from, start) - start, end - start):
+            taus[i], full[i], forced[i] = tau, False, exit
     return taus, full, forced, keep
 
 

@@ -225,6 +225,14 @@ class RaggedSeq:
         self._give_back(self.table[n:self.n][ahead].tolist())
         self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
 
+    def rewind(self, n):
+        """Positions n.. are taken back though they ran (self-speculative decoding: drafts to verify
+        again, or rejected): their pages go back to the pool, their block evaluations stay counted,
+        and the table ends at n."""
+        n = min(n, self.n)
+        self.pool.release(self.table[n:self.n][self.real[n:self.n]].tolist(), self)
+        self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
+
     def _give_back(self, pages):
         """Pages taken and never computed: back to the pool, and off the block evaluations."""
         self.pool.release(pages, self)

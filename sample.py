@@ -3,6 +3,7 @@ Generate from a trained looped LM or an Ouro checkpoint, and show how deep each 
 
     python sample.py --ckpt out/ --thr 0.5                  # Dense-Ragged: full-depth prompt, ragged decode
     python sample.py --ckpt out/ --mode=fixed --depth=2     # every token runs exactly 2 loops
+    python sample.py --ckpt out/ --mode=speculative         # fixed@U's tokens, drafted at 1 loop
     python sample.py --ckpt out/ --prompt "a=5 b=a ; b? " --temperature=0 --json
     python sample.py --ckpt path/to/Ouro-1.4B-Thinking --thr 0.5 --chat --prompt "What is 7*8?"
 
@@ -15,6 +16,9 @@ Modes
   ete_ragged    Ragged KV end to end: the prompt too exits early, prefilled depth by depth.
                 Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
   last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
+  speculative   fixed@U's output exactly (the same greedy tokens; sampled ones from the same law),
+                usually in fewer passes: --draft_k tokens drafted at --draft_depth loops (0: each at
+                its exit gate under --thr), then verified at full depth in one chunk (engine/speculative.py).
 The default mode is `dense_ragged` at τ 0.5 (the paper's safe choice); `--mode=fixed` runs every token
 --depth loops. A flag given at the default --help shows runs exactly as if it were left out.
 Every mode runs through the depth-batching engine of serve_depthbatch.py on one paged KV pool, so
@@ -59,6 +63,8 @@ DEFAULTS = dict(
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
+    draft_k=4,             # speculative: tokens drafted before a verification (1..64)
+    draft_depth=1,         # speculative: loops a draft runs, 1..U-1 (0: its exit gate at --thr)
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
     head="auto",           # LM-head calls: shared (exited rows wait to share one), eager; auto: the engine's own
@@ -72,12 +78,15 @@ RULES = dict(max_new_tokens=">= 1", num_samples=">= 1", temperature="in [0, 2]",
              top_p="in (0, 1]",
              seed=SEED_RULE, thr="in [0, 1]", mode=list(MODES), depth=">= 0",
              prefill_thr="in [0, 1]", prefill_schedule=["", "cosine"], prefix_full=">= 0",
+             draft_k="in [1, 64]", draft_depth=">= 0",
              kv_pages=">= 0", attn=IMPLS, head=["auto"] + HEADS, runner=RUNNERS, **MODEL_RUN_RULES)
 # the keys that act only with another setting: refused without it (checked with
 # the model's U: check_args)
 prefill = ("--mode=ete_ragged (or collapse_kv)",
            lambda c: c["mode"] in ("ete_ragged", "collapse_kv"))
+speculative = ("--mode=speculative", lambda c: c["mode"] == "speculative")
 NEEDS = dict(depth=("--mode=fixed", lambda c: c["mode"] == "fixed"),
+             draft_k=speculative, draft_depth=speculative,
              thr=("--mode=dense_ragged (any mode but fixed)", lambda c: c["mode"] != "fixed"),
              prefill_thr=prefill, prefill_schedule=prefill, prefix_full=prefill, **SAMPLING_NEEDS)
 
@@ -91,6 +100,9 @@ def check_args(c, U, given):
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= U:
         raise UserError(f"--depth={depth!r}: must be an integer in 0..{U} (0: all U; this model "
                         f"has U={U} loops)")
+    if c["draft_depth"] > U - 1:
+        raise UserError(f"--draft_depth={c['draft_depth']!r}: must be an integer in 0..{U - 1} (0: the "
+                        f"exit gate at --thr; this model has U={U} loops)")
     return mode, float(c["thr"]), depth
 
 
@@ -193,7 +205,8 @@ def sample_engine(c, model, ids, mode):
         return engine_for(model, pages, max_batch=c["num_samples"],
                           max_rows=c["num_samples"] * len(ids),
                           attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                          runner=c["runner"],
+                          runner="eager" if mode == "speculative" and c["runner"] == "auto"
+                          else c["runner"],
                           sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:
@@ -221,7 +234,7 @@ def main(argv):
                     temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"],
                     seed=c["seed"] + s, stop=(IM_END,) if c["chat"] else (),
                     prefill_thr=c["prefill_thr"], prefill_schedule=c["prefill_schedule"],
-                    prefix_full=c["prefix_full"])
+                    prefix_full=c["prefix_full"], draft_k=c["draft_k"], draft_depth=c["draft_depth"])
             for s in range(c["num_samples"])]
     try:
         for r in reqs:
@@ -256,10 +269,18 @@ def report(c, reqs, ids, decode, engine, pages, spec):
             print("-" * 40)
         a, kv = rec["avg_depth"], rec["kv_rows"]
         how = f"mode={mode}" + (f" depth={depth}" if mode == "fixed" else f" thr={thr}")
+        if mode == "speculative":
+            how += f" draft_k={c['draft_k']} draft_depth={c['draft_depth']}"
         print(f"sample {s}: {how} avg depth prefill {a['prefill']:.2f} decode {a['decode']:.2f} "
               f"overall {a['overall']:.2f} of U={U}; KV rows {kv['physical']}/{kv['dense']} "
               f"({kv['physical'] / kv['dense']:.1%} of dense); block evals {rec['block_evals']}",
               file=sys.stderr)
+    st = engine.stats
+    if mode == "speculative" and st["verifies"]:
+        print(f"speculative: {st['verifies']} verifications kept {st['accepted']} of {st['drafted']} "
+              f"drafts ({st['accepted'] / max(st['drafted'], 1):.0%}), "
+              f"{(st['accepted'] + st['verifies']) / st['verifies']:.2f} tokens a verification; "
+              f"{st['passes']} passes of the block, {st['head_calls']} LM-head calls", file=sys.stderr)
     if len(reqs) > 1:
         print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the "
               f"block, peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)

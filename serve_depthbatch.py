@@ -34,7 +34,7 @@ from configurator import UserError
 from engine.contract import Live, Runner
 from engine.graphs import can_capture
 from engine.request import sample_token
-from engine.rows import Group, RowsView, embed_new, pass_logs
+from engine.rows import Group, RowsView, embed_new, pass_logs, read_as_rows
 from engine.scheduler import SCHEDULERS, Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
@@ -42,6 +42,7 @@ from kernels import resolve_impl
 from model import exit_now
 from modes import check_request, n_run, position_rules
 from ragged import PagePool, RaggedSeq, alloc_wave, check_pool
+from engine.speculative import next_round
 
 RUNNERS = ["auto", "eager", "slots"]      # engine_for: the runner that applies the block
 
@@ -65,13 +66,16 @@ class EagerRunner(Runner):
         self.last_pass, self.last_passes = [], 0
 
     def start(self, s, end):
-        """Rows for positions s.done..end-1, each with its mode's rule (modes.position_rules)."""
+        """Rows for positions s.done..end-1, each with its mode's rule (modes.position_rules); a
+        speculative round's drafts and its verification chunk (engine/speculative.py) are rows too."""
         r = s.req
-        taus, full, forced, keep = position_rules(r, s.done, end)
-        ctx = r.prompt + r.tokens
+        taus, full, forced, keep = position_rules(r, s.done, end, s.base() if s.drafting() else None)
+        ctx = r.prompt + r.tokens + [tok for tok, _ in s.drafts]
         g = Group(s, s.done, ctx[s.done:end], taus, full, forced, keep, n_run(r, self.U))
-        if end == len(ctx):                     # the newest token: its exit samples the next one
-            g.sample_pos = end - 1
+        if s.verifying:                         # a verification: the head on every position
+            g.sample_from = s.base()
+        elif end == len(ctx):                   # the newest token: its exit samples the next one
+            g.sample_from = end - 1
         self.groups[s] = g
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
 
@@ -89,7 +93,8 @@ class EagerRunner(Runner):
             return pass_logs([], 1, self._sample(self.shared.take())) if waiting else []
         hn, gate, h_next = self._run_block(groups, pages)    # the block on every row, at its depth
         rows = self._decide_exits(groups, gate, h_next)      # Eq. 4, each row with its τ
-        exited = [(g.live, pos, hn[i]) for g, pos, i, newly, _ in rows if newly and pos == g.sample_pos]
+        exited = [(g.live, pos, hn[i]) for g, pos, i, newly, _ in rows
+                  if newly and g.sample_from is not None and pos >= g.sample_from]
         if self.shared is not None:
             others = (any(len(g.pos) for g in groups) or queued
                       or any(s not in self.groups and s.done < s.runnable() for s in running))
@@ -103,15 +108,15 @@ class EagerRunner(Runner):
     def _allocate(self, running):
         """A page for every row at its depth (the host has made room: plan), oldest request first,
         taken in one piece (ragged.alloc_wave), so that a batch that starts together reads them in
-        place. Returns the groups, sorted (one-row groups, decode tokens, first, by position, as
-        the padded attention tables want them), each with its rows of the batch (Group.span), and
+        place. Returns the groups, sorted (those read as rows, decode tokens, first, by position,
+        as the padded attention tables want them), each with its rows of the batch (Group.span), and
         the pages of every pass, one tensor per pass."""
         out = [(self.groups[s], range(self.groups[s].d, self.groups[s].n_run if self.waves
                                       else self.groups[s].d + 1))
                for s in running if s in self.groups]
         pages = alloc_wave(self.pool, [(g.live.seq, g.pos, depths) for g, depths in out])
         batch = sorted(zip([g for g, _ in out], pages),
-                       key=lambda gp: (len(gp[0].pos) > 1, gp[0].pos.tolist()[-1]))
+                       key=lambda gp: (not read_as_rows(gp[0]), gp[0].pos.tolist()[-1]))
         row = 0
         for g, p in batch:
             g.live.seq.write_pages(g.pos, slice(g.d, g.d + p.shape[1]), p)   # never through an alias
@@ -203,7 +208,8 @@ class Engine:
     It holds a request from add() to its end, then lets go of it (its caller keeps what it needs),
     so that its memory is bounded by what is in flight. stats counts what it did (passes in which
     a row ran, rows, preemptions, replayed rows, the most requests in flight, LM-head calls and the
-    tokens they sampled, requests finished; the slot runner adds its own)."""
+    tokens they sampled, requests finished; speculative rounds: passes with a draft row or a verify
+    row, verifications, drafts and drafts kept; the slot runner adds its own)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous",
                  attn="auto", head="eager", runner="eager", **options):
@@ -222,7 +228,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.U, max_batch, max_rows, scheduler)
         self.next_id = 0
         self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0,
-                          head_calls=0, head_rows=0, finished=0)
+                          head_calls=0, head_rows=0, finished=0,
+                          # speculative rounds: passes with a draft or verify row, rounds, drafts, kept
+                          draft_passes=0, verify_passes=0, verifies=0, drafted=0, accepted=0)
         if runner == "slots":
             self.runner = SlotRunner(model, self.pool, self.stats, attn, head, scheduler, max_batch,
                                      max_rows, **options)
@@ -307,6 +315,9 @@ class Engine:
             ran = sum(n for s, n in log.ran if s.seq is not None)     # rows of requests still running
             self.stats["passes"] += ran > 0
             self.stats["rows"] += ran
+            spec = [s for s, n in log.ran if n and s.seq is not None and s.req.mode == "speculative"]
+            self.stats["draft_passes"] += any(s.drafting() for s in spec)
+            self.stats["verify_passes"] += any(s.verifying for s in spec)
             touched = set()
             for row in log.said:
                 s = row.live
@@ -319,12 +330,17 @@ class Engine:
                     s.rows -= 1
                     stopped.add(s)
                 if row.tok >= 0 and not s.req.cancelled:
-                    sampled.append(self._deliver(s, row.tok, row.logits))
+                    if s.drafting():                  # a speculative round's draft: kept aside
+                        s.drafts.append((row.tok, row.logits))
+                    elif s.verifying:                 # its full-depth token at this position
+                        s.verified[row.pos] = (row.tok, row.logits)
+                    else:
+                        sampled.append(self._deliver(s, row.tok, row.logits))
                 if row.go:                   # its positions so far are done; the next runs in its place
                     s.rows, s.done, s.started = s.rows + 1, row.pos + 1, row.pos + 2
                 touched.add(s)
             for s in touched:
-                self._settle(s)
+                sampled += self._settle(s)
         for s in [s for s in self.scheduler.running if s.req.cancelled]:
             self._finish(s, "cancelled")
         for s in stopped:
@@ -348,12 +364,16 @@ class Engine:
 
     def _settle(self, s):
         """A request whose rows have all finished has done its positions: their exits join req.exits
-        (the decode ones counted for the shared head's cost model), and it ends if its last token is
-        sampled; a cancelled one ends now."""
+        (the decode ones counted for the shared head's cost model; a speculative request's once
+        verified), and it ends if its last token is sampled; a cancelled one ends now. Returns the
+        tokens a speculative round delivered [(request, token)]."""
         r = s.req
+        out = []
         if s.rows == 0:
             s.done = s.started
-        while len(r.exits) < s.done:
+            if r.mode == "speculative":
+                out = next_round(s, self._deliver, self.stats)
+        while len(r.exits) < (min(s.done, s.base()) if r.mode == "speculative" else s.done):
             e = s.exits.pop(len(r.exits))
             if len(r.exits) >= len(r.prompt):
                 s.decode_depths = [s.decode_depths[0] + e, s.decode_depths[1] + 1]
@@ -362,6 +382,7 @@ class Engine:
             self._finish(s, r.finish_reason)
         elif r.cancelled:
             self._finish(s, "cancelled")
+        return out
 
     def _alias(self, s):
         """Eq. 11 on the request's table for its rows that stopped: their deeper entries alias the

@@ -30,10 +30,28 @@ class Live:
         self.ending = False             # its last token is sampled: it ends when its rows have finished
         self.evals_before = 0           # block evaluations of caches freed by preemption
         self.decode_depths = [0, 0]     # Σ exits and count of its decode positions (replays not again)
+        # a speculative request's round (engine/speculative.py): its drafts [(token, logits)], whether its
+        # verification has started, and the full-depth results by position {position: (token, logits)}
+        self.drafts, self.verifying, self.verified = [], False, {}
 
     def runnable(self):
-        """Positions it must run: every known token but a final sampled one (that one never runs)."""
-        return len(self.req.prompt) + len(self.req.tokens) - (1 if self.ending else 0)
+        """Positions it must run: every known token but a final sampled one (that one never runs);
+        the drafts of a speculative round count as known."""
+        return len(self.req.prompt) + len(self.req.tokens) + len(self.drafts) - (1 if self.ending else 0)
+
+    def base(self):
+        """The position of its last token: the first a speculative round drafts from."""
+        return len(self.req.prompt) + len(self.req.tokens) - 1
+
+    def drafting(self):
+        """Whether its next rows are drafts: a speculative request past its first token, before its
+        round's verification."""
+        return self.req.mode == "speculative" and len(self.req.tokens) > 0 and not self.verifying
+
+    def round_k(self):
+        """How many tokens this round drafts: draft_k, fewer near max_tokens (a round emits at most
+        one more than it drafts)."""
+        return min(self.req.draft_k, self.req.max_tokens - len(self.req.tokens) - 1)
 
     def last_position(self):
         """The last position that runs: that of the token before the final one (which never runs)."""
@@ -44,6 +62,7 @@ class Live:
         self.seq = None
         self.done = self.started = self.rows = 0
         self.exits, self.stops = {}, []
+        self.drafts, self.verifying, self.verified = [], False, {}
 
 
 class Said(NamedTuple):

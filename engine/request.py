@@ -21,6 +21,8 @@ class Request:
     mode: str = "dense_ragged"     # see modes.MODES
     thr: float = 0.5               # this request's exit threshold τ (Eq. 4)
     depth: int = 0                 # fixed mode: loops per token (0: U)
+    draft_k: int = 4               # speculative mode: tokens drafted before a verification
+    draft_depth: int = 1           # speculative mode: loops a draft runs (0: its exit gate at thr)
     temperature: float = 0.0       # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0

@@ -32,7 +32,7 @@ class Group:
         self.tau, self.full, self.forced, self.keep = taus, full, forced, keep
         self.exits = [0] * len(ids)
         self.d = 0                                          # the depth the rows run next (0-based)
-        self.sample_pos = None                              # whose exit samples a token
+        self.sample_from = None                             # positions from here sample a token at their exit
         # its span of this step's batch of rows (a slice)
         self.span = None
 
@@ -97,16 +97,27 @@ class RowsView:
         return (ys[0] if len(ys) == 1 else torch.cat(ys)).transpose(0, 1)[None]   # (1, Hq, R, D)
 
 
+# A few decoded positions (a speculative verification) are read in the padded tables of the decode
+# rows, one call for them all: as a chunk each would cost a call a layer for a few rows, most of a
+# pass's time when a batch holds many. (Prompt chunks keep their calls: a batch's prompts that start
+# together are read in place, in one.)
+ROWS_MAX = 8
+
+
+def read_as_rows(g):
+    return len(g.pos) == 1 or (g.start >= len(g.live.req.prompt) and len(g.pos) <= ROWS_MAX)
+
+
 def attention_parts(groups, attn, device):
     """What each row reads: entries 0..its position of its request's table column at its depth.
     Column d holds A_d[j] = P_{j, min(d, e_j)} (Eq. 11), so reading it is reading every earlier
-    token j at depth min(d, e_j): Eq. 7 without any per-row depth logic. The one-row groups
-    (decode tokens) go in padded [rows, maxlen] tables ("rows"); each longer group (a prompt chunk)
-    keeps its one shared list, so that prompt rows are not padded to the longest decode row nor
-    gathered once per row, and consecutive chunks whose rows sit at the same positions (the prompts
-    of a batch that starts together) stack their lists for one call ("chunks", [G, n]). Flex takes
-    every row at once."""
-    flat = groups if attn == "flex" else [g for g in groups if len(g.pos) == 1]
+    token j at depth min(d, e_j): Eq. 7 without any per-row depth logic. The groups of a few decoded
+    rows (read_as_rows: decode tokens, speculative verifications) go in padded [rows, maxlen] tables
+    ("rows"), each row to its own length; a prompt chunk keeps its one shared list, so that prompt
+    rows are not padded to the longest decode row nor gathered once per row, and consecutive chunks
+    whose rows sit at the same positions (the prompts of a batch that starts together) stack their
+    lists for one call ("chunks", [G, n]). Flex takes every row at once."""
+    flat = groups if attn == "flex" else [g for g in groups if read_as_rows(g)]
     ends = [g.pos.tolist()[-1] + 1 for g in flat]        # keys of each group's last (longest) row
     parts = []
     for lo, hi in padded_tables(ends, attn):
@@ -171,7 +182,9 @@ def pass_logs(rows, n_passes, tokens):
     in the last) and their rows [(group, position, row, newly exited, stopped)], with the tokens
     sampled [(Live, position, token, logits)], each at its row (a row that waited for a shared head
     call: an entry of its own, at depth 0)."""
-    sampled = {(s, pos): (tok, lg if s.req.keep_logits else None) for s, pos, tok, lg in tokens}
+    # logits go back where the request keeps them, and where a speculative round's rule reads them
+    kept = lambda r: r.keep_logits or (r.mode == "speculative" and r.temperature > 0)
+    sampled = {(s, pos): (tok, lg if kept(s.req) else None) for s, pos, tok, lg in tokens}
     said = []
     for g, pos, _, newly, stopped in rows:          # g.d: the 1-based depth of the last pass
         tok, lg = sampled.pop((g.live, pos), (-1, None))

@@ -171,6 +171,9 @@ class SlotRunner(Runner):
         """What the eager runner alone runs: the Table 17 caches; more stop ids than the slots hold;
         logits kept without keep_logits (UserError, nothing queued)."""
         st = self.slots
+        if r.mode == "speculative":
+            raise UserError("mode=speculative: its drafts and verifications run on the eager runner "
+                            "(--runner=eager)", "mode")
         if keeps_one_depth(r):
             raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager runner "
                             "(--runner=eager)", "mode")

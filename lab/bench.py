@@ -9,6 +9,7 @@ ratio measured in the same run (absolute times only mean something on a GPU).
     python -m lab.bench --what=engine --quick # the same on short requests: checks the code, measures nothing
     python -m lab.bench --what=train          # time per optimizer step of each training objective vs dense
     python -m lab.bench --what=gpu --device=cuda   # graphed against eager at Ouro-1.4B's shape (lab/bench_gpu.py)
+    python -m lab.bench --what=speculative --ckpt out/   # self-speculative decoding (lab/bench_speculative.py)
 
 Decode targets: KV rows and block evaluations exactly Σ e_i, and tokens/s of a ragged mode >= 0.8 x
 U/Ē times fixed@U's on the same engine. The engine's overhead shows as its fixed@U against
@@ -35,6 +36,7 @@ import torch
 
 from lab.bench_engine import bench_engine, bench_model
 from lab.bench_gpu import bench_gpu
+from lab.bench_speculative import bench_speculative
 from checkpoint import load_checkpoint
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check, device_rule, parse, run_cli,
                          set_threads, split_list)
@@ -49,8 +51,9 @@ DEFAULTS = dict(
     what="decode",         # decode: tokens/s of the inference modes at batch 1; engine: depth
                            # batching (lab/bench_engine.py); train: objectives; gpu: graphed against
                            # eager at Ouro-1.4B's shape; memory: training's peak memory at start-up
-                           # against the size of the data
-    ckpt="",               # decode, engine: a checkpoint; empty: a random model of the bench shape
+                           # against the size of the data; speculative: self-speculative decoding
+                           # against fixed@U (lab/bench_speculative.py)
+    ckpt="",               # decode, engine, speculative: a checkpoint; empty: a random model of the bench shape
     prompt_len=32,         # decode: prompt tokens
     new_tokens=96,         # decode: tokens generated per run
     repeats=5,             # decode, train: timings per mode, interleaved across modes; the median is reported
@@ -73,15 +76,17 @@ DEFAULTS = dict(
     rounds=1,              # engine: rounds of every configuration, in turns; the fastest counts (all: ratio_rounds)
     full=False,            # engine: nano-vllm's size (prompts and outputs of 100-1024 tokens, 256 requests), for a GPU
     quick=False,           # engine: every configuration on short requests of a small model, batches 1 and 4, to
-                           # check the code runs in about a minute (measures nothing)
+                           # check the code runs in about a minute (measures nothing); speculative: one
+                           # draft setting at batch 1
     kv_pages=0,            # engine: KV pages of each pool (0: every token of the workload at every depth)
     max_rows=256,          # engine, queue: rows per pass prefill chunks may fill (a fixed batch prefills at once)
     attn="auto",           # engine: paged attention (kernels.py)
     device="auto",         # engine, gpu: where to run (auto: CUDA when there is one)
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
+    draft_ks="2,4,6",      # speculative: the k of the drafts (tokens drafted before a verification)
     out="",                # gpu: also write the JSON to this file
 )
-RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">= 1",
+RULES = dict(what=["decode", "engine", "train", "gpu", "memory", "speculative"], prompt_len=">= 1",
              new_tokens=">= 2", repeats=">= 1", thr="floats in [0, 1]", seed=SEED_RULE,
              threads=THREADS_RULE,
              steps=">= 1", batch_size=">= 1", block_size=">= 2", engine_thr="in [0, 1]",
@@ -91,17 +96,18 @@ RULES = dict(what=["decode", "engine", "train", "gpu", "memory"], prompt_len=">=
              sampling=lambda v: None if v and set(split_list("sampling", v)) <= {"greedy", "paper"}
              else "expected greedy, paper or greedy,paper",
              batches=lambda v: check("batches", v, "ints >= 1") if v else None,
-             gpu_shape=["ouro1.4b", "tiny"])
+             gpu_shape=["ouro1.4b", "tiny"], draft_ks="ints >= 1")
 # which --what each key is for (its comment says so too): set for another, it would do
 # nothing, and so it is refused
-FOR_WHAT = dict(ckpt="decode engine", prompt_len="decode", new_tokens="decode",
+FOR_WHAT = dict(ckpt="decode engine speculative", prompt_len="decode speculative",
+                new_tokens="decode speculative", draft_ks="speculative",
                 repeats="decode train", thr="decode",
                 steps="train", batch_size="train", block_size="train", shape="engine",
                 vocab="engine",
-                workload="engine", head="engine", capacity="engine", engine_thr="engine",
-                batches="engine gpu",
-                sampling="engine", ouro_code="engine", requests="engine", rounds="engine gpu",
-                full="engine", quick="engine", kv_pages="engine", max_rows="engine", attn="engine",
+                workload="engine", head="engine", capacity="engine", engine_thr="engine speculative",
+                batches="engine gpu speculative",
+                sampling="engine", ouro_code="engine", requests="engine", rounds="engine gpu speculative",
+                full="engine", quick="engine speculative", kv_pages="engine", max_rows="engine", attn="engine",
                 device="engine gpu", gpu_shape="gpu", out="gpu")
 NEEDS = {k: ("--what=" + " or --what=".join(w.split()), lambda c, w=w: c["what"] in w.split())
          for k, w in FOR_WHAT.items()}
@@ -289,12 +295,12 @@ def bench_memory(c):
 def main(argv):
     given = set()
     c = parse(argv, DEFAULTS, RULES, __file__, given, NEEDS)
-    if c["quick"]:               # what --quick means, for the keys left at their defaults
+    if c["quick"] and c["what"] == "engine":     # what --quick means, for the keys left at their defaults
         c.update({k: v for k, v in QUICK.items() if k not in given})
     set_threads(c["threads"])
     torch.manual_seed(c["seed"])
     run = {"decode": bench_decode, "engine": bench_engine, "train": bench_train, "gpu": bench_gpu,
-           "memory": bench_memory}[c["what"]]
+           "memory": bench_memory, "speculative": bench_speculative}[c["what"]]
     print(json.dumps(run(c)))
 
 

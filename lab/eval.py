@@ -57,7 +57,7 @@ DEFAULTS = dict(
     lm_eval="",            # lm-evaluation-harness task names, comma-separated (needs lm-eval)
     lm_eval_include="",    # a folder of lm-eval task YAMLs of your own (its --include_path)
     convert="",            # write standard benchmarks (tasks.BENCHMARKS) as our JSONL into --out, then stop
-    modes="",              # e.g. fixed@1,fixed@4,ete_ragged@0.5 (default: fixed@U and the ragged modes at 0.5)
+    modes="",              # e.g. fixed@1,ete_ragged@0.5,speculative@1 (default: fixed@U, the ragged modes at 0.5)
     sweep=False,           # the frontier of App. E.1: fixed@1..U and every --thresholds for both ragged modes
     thresholds="0.2,0.3,0.4,0.5,0.6,0.75",  # the sweep's thresholds
     out="eval-out",        # results.json, records.jsonl, frontier.png
@@ -66,6 +66,7 @@ DEFAULTS = dict(
     shots=0,               # few-shot exemplars (the first items of each task; they are not scored)
     chat=False,            # zero-shot ChatML with thinking (Ouro Thinking models), as App. D.2
     max_tokens=256,        # generation cap
+    draft_k=4,             # speculative@d: tokens drafted (at d loops) before a verification
     temperature=1.0,       # the paper's sampling: 1.0, top-p 0.7, top-k off; 0 = greedy
     top_p=0.7,             # nucleus sampling
     top_k=0,               # 0 = off
@@ -84,7 +85,7 @@ DEFAULTS = dict(
 RULES = dict(builtin=["", "synthetic", "pointer", "hops", "graded", "graded_multi"],
              builtin_items="in [1, 100000]",
              builtin_max_k="in [1, 4]", thresholds="floats in [0, 1]", n=">= 1", shots=">= 0",
-             max_tokens=">= 1",
+             max_tokens=">= 1", draft_k="in [1, 64]",
              temperature="in [0, 2]", top_p="in (0, 1]", top_k=">= 0", limit=">= 0",
              batch_size=">= 1", max_batch=">= 1", kv_pages=">= 0", attn=IMPLS,
              head=["auto"] + HEADS, runner=RUNNERS, seed=SEED_RULE, **MODEL_RUN_RULES,
@@ -99,7 +100,8 @@ NEEDS = dict(thresholds=("--sweep", lambda c: c["sweep"]), builtin_items=builtin
 # ----------------------------------------------------------------------------- modes
 
 def parse_modes(text, U):
-    """'fixed@2,ete_ragged@0.5' -> [(mode, thr, depth)] (thr None for fixed, depth None otherwise)."""
+    """'fixed@2,ete_ragged@0.5,speculative@1' -> [(mode, thr, depth)] (thr None for fixed and
+    speculative, depth: fixed's loops or speculative's draft depth, None otherwise)."""
     out = []
     for part in split_list("modes", text):
         mode, _, arg = part.partition("@")
@@ -107,7 +109,12 @@ def parse_modes(text, U):
             value = float(arg)
         except ValueError:
             raise UserError(f"--modes: {part!r} is not mode@value (fixed@k, dense_ragged@τ, "
-                            "ete_ragged@τ, ouro@τ)")
+                            "ete_ragged@τ, ouro@τ, speculative@d)")
+        if mode == "speculative":            # fixed@U's output; d: the loops of its drafts
+            if value != int(value) or not 1 <= value <= U - 1:
+                raise UserError(f"--modes: {part!r}: speculative@d needs a draft depth d in 1..{U - 1}")
+            out.append(("speculative", None, int(value)))
+            continue
         if mode not in SCORED:
             raise UserError(f"--modes: {part!r}: mode {mode!r} is not scored here; allowed: "
                             f"{', '.join(SCORED)}"
@@ -125,7 +132,7 @@ def parse_modes(text, U):
 
 
 def mode_name(mode, thr, depth):
-    return f"fixed@{depth}" if mode == "fixed" else f"{mode}@{thr:g}"
+    return f"{mode}@{depth}" if mode in ("fixed", "speculative") else f"{mode}@{thr:g}"
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -169,7 +176,10 @@ def run_mc(model, items, task, spec, c, encode, device, shots):
                     raise UserError(f"choice {j} is {len(cont)} tokens, the context length is {T_max}")
                 pairs.append((ctx, cont))
                 owners.append((i, j))
-    scores = continuation_logprobs(model, pairs, mode, thr, depth, c["batch_size"], device)
+    # a teacher-forced score of speculative decoding is fixed@U's: its output is fixed@U's
+    scores = (continuation_logprobs(model, pairs, "fixed", None, model.config.n_loops, c["batch_size"], device)
+              if mode == "speculative" else
+              continuation_logprobs(model, pairs, mode, thr, depth, c["batch_size"], device))
     records, acc, acc_norm, depths = [], [], [], []
     for i, item in enumerate(items):
         mine = [(j, scores[p]) for p, (ii, j) in enumerate(owners) if ii == i]
@@ -197,7 +207,7 @@ def generation_engine(model, c, mode):
     mode."""
     return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"],
                       attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                      runner=c["runner"],
+                      runner="eager" if mode == "speculative" and c["runner"] == "auto" else c["runner"],
                       sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])])
 
 
@@ -238,7 +248,10 @@ def run_gen(model, items, task, spec, c, encode, decode, shots, ks):
             raise UserError(f"--task {task}: item {i} has a prompt of {len(ids)} tokens; the "
                             f"context is {model.config.block_size}")
         for j in range(c["n"]):
-            r = Request(ids, cap, mode, thr=0.5 if thr is None else thr, depth=depth or 0,
+            drafts = mode == "speculative"
+            r = Request(ids, cap, mode, thr=0.5 if thr is None else thr,
+                        depth=0 if drafts else depth or 0, draft_k=c["draft_k"],
+                        draft_depth=depth if drafts else 1,
                         temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"],
                         seed=c["seed"] + 1000 * i + j, stop=tuple(eos), tag=i)
             if stop and decode is not None and item.get("extract", "answer_is") != "prefix":

@@ -185,7 +185,8 @@ def drive(engine, reqs, arrive=None, cancel_at=None):
 
 
 def clone(r):
-    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, depth=r.depth, temperature=r.temperature,
+    return Request(list(r.prompt), r.max_tokens, r.mode, r.thr, depth=r.depth, draft_k=r.draft_k,
+                   draft_depth=r.draft_depth, temperature=r.temperature,
                    top_p=r.top_p, top_k=r.top_k, seed=r.seed, stop=tuple(r.stop), prefill_thr=r.prefill_thr,
                    prefill_schedule=r.prefill_schedule, prefix_full=r.prefix_full, keep_logits=r.keep_logits)
 

@@ -194,6 +194,13 @@ CASES = [
     (train, ["--eval_thr=0.5,"], "eval_thr"), (eval_py, ["--builtin=synthetic", "--k=1,x"], "k"),
     (eval_py, ["--builtin=synthetic", "--modes=fixed@1,,fixed@2"], "modes"),
     (bench, ["--what=engine", "--batches=1,,4"], "batches"), (bench_kernels, ["--contexts=64,"], "contexts"),
+    # speculative decoding: k >= 1, a draft depth below U, its flags only in its mode
+    (sample, ["--mode=speculative", "--draft_k=0"], "draft_k"),
+    (sample, ["--mode=speculative", "--draft_depth=4", "--max_new_tokens=5"], "draft_depth"),
+    (sample, ["--draft_k=3"], "draft_k"), (sample, ["--mode=speculative", "--thr=1.5"], "thr"),
+    (eval_py, ["--builtin=synthetic", "--modes=speculative@4"], "modes"),
+    (eval_py, ["--builtin=synthetic", "--modes=speculative@0"], "modes"),
+    (bench, ["--what=speculative", "--draft_ks=0"], "draft_ks"),
 ]
 
 

@@ -298,3 +298,23 @@ def test_an_empty_prompt_and_depth_zero_mean_the_same_in_eval_and_sample(ckpt, t
     out = sample.main(["--ckpt", folder, "--prompt=", "--mode=fixed", "--depth=0", "--temperature=0",
                        "--max_new_tokens=4", "--json"])
     assert records_ids == [out[0]["text"]] * 2 and records[0]["depth"] == 4
+
+
+def test_speculative_scores_and_generates_as_fixed_at_full_depth(ckpt, tmp_path, capsys):
+    """speculative@d in lab/eval.py and --mode=speculative in sample.py: the greedy completions and
+    the multiple-choice log-likelihoods of fixed@U, whatever the draft depth."""
+    import sample
+    folder = ckpt[0]
+    out = tmp_path / "spec"
+    ev.main(["--ckpt", folder, "--builtin=synthetic", "--builtin_items=2",
+             "--modes=fixed@0,speculative@1,speculative@3",
+             "--temperature=0", "--max_tokens=8", "--draft_k=3", "--plots=False", f"--out={out}"])
+    recs = [json.loads(line) for line in open(out / "records.jsonl")]
+    by = lambda depth, mode: [r.get("completions", r.get("loglik")) for r in recs
+                              if r["mode"] == mode and r["depth"] == depth]
+    fixed = by(4, "fixed")
+    assert fixed and by(1, "speculative") == fixed and by(3, "speculative") == fixed
+    capsys.readouterr()
+    run = lambda *a: sample.main(["--ckpt", folder, "--prompt=sum 1+2=", "--temperature=0", "--max_new_tokens=12",
+                                  "--json", *a])[0]["tokens"]
+    assert run("--mode=speculative", "--draft_depth=2", "--draft_k=5") == run("--mode=fixed")

@@ -13,13 +13,13 @@ LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoin
            "configurator",
            "server", "objectives", "metrics",
            "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
-           "engine.slots", "engine.slot_pass", "engine.graphs", "engine.serving",
+           "engine.slots", "engine.slot_pass", "engine.graphs", "engine.serving", "engine.speculative",
            "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
            "lab.ouro_code", "lab.harness", "lab.ladder_claims",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
-           "lab.bench_engine", "lab.reproduce", "lab.export_ouro", "lab.ladder", "lab.soak"}
+           "lab.bench_engine", "lab.bench_speculative", "lab.reproduce", "lab.export_ouro", "lab.ladder", "lab.soak"}
 MAX_ROOT = 20                             # .py files at the root: the paper's files and what they import
 WIDE, MAX_WIDE_SHARE = 100, 0.05          # columns; the share of the project's lines past them (nanoGPT's: 3-6%)
 PACKAGES = ("lab.", "engine.")            # the folders of modules: the lab, and the engine's fast path

@@ -84,6 +84,20 @@ def test_http_completion_equals_the_engine_and_streams_the_same(http_server):
         assert json.loads(r.read())["data"][0]["id"] == "tiny"
 
 
+def test_http_speculative_answers_fixed_at_full_depth(http_server):
+    """mode speculative through the API: fixed@U's tokens, drafted by the body's draft_k and
+    draft_depth; a draft depth the model cannot run is a 400 naming it."""
+    url, engine, encode, _ = http_server
+    body = {"prompt": "copy abc : ", "max_tokens": 14, "temperature": 0, "mode": "speculative",
+            "draft_k": 3, "draft_depth": 1}
+    status, text = post(url + "/v1/completions", body)
+    assert status == 200, text
+    fixed = alone(engine.model, Request(encode("copy abc : "), 14, "fixed"))
+    assert json.loads(text)["choices"][0]["tokens"] == fixed.tokens
+    status, text = post(url + "/v1/completions", dict(body, draft_depth=engine.U))
+    assert status == 400 and json.loads(text)["error"]["param"] == "draft_depth", text
+
+
 def test_http_concurrent_requests_are_batched(http_server):
     url, engine, encode, _ = http_server
     engine.stats["max_in_flight"] = 0
@@ -465,6 +479,8 @@ def test_out_of_range_and_unknown_fields_are_400_naming_the_field(own_server, bo
 @pytest.mark.parametrize("body,param", [({"prompt": "a", "mode": "ete_ragged", "depth": 2}, "depth"),
                                         ({"prompt": "a", "depth": 2}, "depth"),
                                         ({"prompt": "a", "mode": "fixed", "thr": 0.3}, "thr"),
+                                        ({"prompt": "a", "draft_k": 3}, "draft_k"),
+                                        ({"prompt": "a", "mode": "fixed", "draft_depth": 2}, "draft_depth"),
                                         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
                                         ({"prompt": "a", "stream": True, "stream_options": {"x": 1}}, "stream_options"),
                                         ({"prompt": "a", "max_tokens": 3, "max_completion_tokens": 4},

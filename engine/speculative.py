@@ -1,0 +1,114 @@
+"""
+Self-speculative decoding's acceptance rule: tokens drafted by the model's own shallow loops, kept or
+replaced so that the output is fixed@U's exactly (the greedy tokens, or the sampled distribution).
+
+A looped model carries its own draft model: the same block at fewer loops, with the same weights,
+pages and tokenizer. A speculative request (modes.MODES["speculative"]) decodes in rounds. Its last
+accepted token c sits at position b, not yet run. Draft: positions b, b+1, .. b+k-1 run one at a time
+at the draft depth d (or each at its exit gate's depth under τ), each sampling the next token, x_1 ..
+x_k; their deeper K/V is aliased as for any early exit (Eq. 11), so a draft costs d loops. Verify: the
+k + 1 positions b .. b+k (tokens c, x_1 .. x_k) run as one chunk to depth U with the LM head on every
+position, giving the full-depth distributions p_1 .. p_{k+1}. This file decides what is kept:
+
+  greedy      x_i is kept while it equals the full-depth argmax; the first that differs is replaced
+              by the argmax; if all k are kept, the argmax after x_k comes free (the bonus token).
+  sampled     x_i (drawn from the draft distribution q_i) is kept with probability
+              min(1, p_i(x_i) / q_i(x_i)); the first one refused is replaced by a draw from the
+              normalised max(0, p_i - q_i); all kept: a bonus draw from p_{k+1}. Each emitted token is
+              then distributed exactly as fixed@U's (Leviathan et al., 2023; Chen et al., 2023):
+              P(x) = q(x) min(1, p(x)/q(x)) + (1 - Σ_y min(q(y), p(y))) r(x) = p(x).
+
+p and q are the distributions the sampler draws from (temperature, top-k and top-p applied to both the
+same way: engine/request.sample_set), so the output is that of fixed@U under the same settings.
+
+Exactness of the cache: a draft at position j > b read its predecessors' K/V above their draft depth
+through aliases, so its deeper states are not fixed@U's. Verification therefore runs every drafted
+position again from depth 1 (the drafts' pages go back first: RaggedSeq.rewind), and after it the
+positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. The host
+(serve_depthbatch.Engine) runs the rounds; a draft row and a verify chunk are ordinary rows of the
+depth-batched passes.
+"""
+import torch
+
+from engine.request import keyed_uniform, sample_set, seed_bits
+
+# The noise of a round: a draft is an ordinary draw keyed by (seed, position) (sample_token); the
+# acceptance test's uniform and the replacement's draw have streams of their own, so that no draw is
+# reused for another decision at the same position.
+ACCEPT, REPLACE = 2**30, 2**31
+
+
+def probs(logits, r):
+    """The full-vocabulary distribution a token of r is drawn from at these logits: sample_set's
+    nucleus, renormalised (a draw is the Gumbel-max over it), in at least float32."""
+    ids, p, _ = sample_set(logits, r.temperature, r.top_k, r.top_p)
+    return torch.zeros(logits.shape[-1], dtype=p.dtype, device=p.device).index_put((ids,), p / p.sum())
+
+
+def keyed(r, position, stream, n):
+    """n uniforms keyed by (r's seed, position, stream): the same on every rerun of the request."""
+    t = lambda v: torch.tensor(v, dtype=torch.long)
+    return keyed_uniform(t(seed_bits(r.seed)), t(position + stream), torch.arange(n), torch.float64)
+
+
+def draw(p, r, position):
+    """A token from the distribution p (a Gumbel-max over its support, keyed like every draw)."""
+    g = -torch.log(-torch.log(keyed(r, position, REPLACE, p.numel())))
+    return int(torch.where(p > 0, torch.log(p.double()) + g, float("-inf")).argmax())
+
+
+def accept(r, base, drafts, verified):
+    """The tokens a round emits: drafts [(x_i, q_i's logits or None)], i = 1..k, drawn by the rows at
+    positions base .. base+k-1; verified [(the full-depth token, its logits)] of positions base ..
+    base+k. Returns [(token, its full-depth logits)]: the drafts kept, then the replacement of the
+    first refused one or the bonus token."""
+    out = []
+    for i, ((x, q_logits), (y, p_logits)) in enumerate(zip(drafts, verified)):
+        if r.temperature == 0:
+            if x != y:                                  # greedy: the full-depth argmax replaces it
+                return out + [(y, p_logits)]
+        else:
+            p, q = probs(p_logits, r), probs(q_logits, r).to(p_logits.device)
+            u = float(keyed(r, base + i, ACCEPT, 1)[0])
+            if u * float(q[x]) > float(p[x]):           # refused: probability 1 - min(1, p/q)
+                rest = (p - q).clamp(min=0)
+                return out + [(draw(rest / rest.sum() if rest.sum() > 0 else p, r, base + i),
+                               p_logits)]
+        out.append((x, p_logits))
+    return out + [verified[len(drafts)]]                # all kept: the bonus token, drawn from p_{k+1}
+
+
+# ----------------------------------------------------------------------------- a round, on the host
+
+def next_round(s, deliver, stats):
+    """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):
+    once its verification has every position, the round delivers what it keeps (deliver(s, token,
+    logits), the host's) and the positions past them go back; once its drafts are all sampled, the
+    drafted positions go back (their deeper states read aliases) and its verification starts, the
+    k + 1 positions as one chunk to depth U. Returns what was delivered."""
+    out = []
+    if s.verifying and len(s.verified) == len(s.drafts) + 1:
+        base, r = s.base(), s.req
+        kept = accept(r, base, s.drafts, [s.verified[base + i] for i in range(len(s.drafts) + 1)])
+        stats["verifies"] += 1
+        stats["drafted"] += len(s.drafts)
+        stats["accepted"] += len(kept) - 1
+        s.drafts, s.verified, s.verifying = [], {}, False
+        for tok, logits in kept:
+            out.append(deliver(s, tok, logits))
+            if s.ending:                                # a stop id or max_tokens: the rest is dropped
+                break
+        rewind(s, base + len(out))
+    if s.drafting() and len(s.drafts) >= s.round_k() and not s.ending:
+        rewind(s, s.base())
+        s.verifying = True
+    return out
+
+
+def rewind(s, n):
+    """Positions n.. of a speculative request go back though they ran (drafts to verify, tokens
+    refused): their pages (RaggedSeq.rewind), the exits they decided and the stops still to alias."""
+    s.seq.rewind(n)
+    s.exits = {p: e for p, e in s.exits.items() if p < n}
+    s.stops = [(p, d) for p, d in s.stops if p < n]
+    s.done = s.started = n
