@@ -53,6 +53,7 @@ import train
 from checkpoint import load_checkpoint, write_json
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli,
                          set_threads, split_list)
+from lab.ladder_claims import PILOT_SEEDS
 from lab.reproduce import provenance
 from model import FULL, exit_pdf, forward_ragged
 from tokenizer import load_tokenizer
@@ -82,7 +83,7 @@ DATA_TOKENS = 5_000_000                    # each stage's dataset (train + val),
 # 1..4 are 1.75 and 3.25 (λ found by bisection to 3 decimals), beside the uniform one (mean 2.5)
 FAMILY = {"poisson1.325": ["--prior=poisson", "--prior_lambda=1.325"],
           "poisson6.311": ["--prior=poisson", "--prior_lambda=6.311"]}
-SEEDS = dict(pilot=2, main=6, family=3)    # seeds a scope (main: 8 if the pilot's learners were ~1/3)
+SEEDS = dict(pilot=PILOT_SEEDS, main=6, family=3)    # seeds a scope (main: 8 if the pilot's learners were ~1/3)
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]   # rule 4: 0.05 .. 0.95
 ITEMS_PER_K = 50                                    # rule 1: a set's items a k
 SETS = {"calibration": 4242, "judging": 2424}       # rule 1: each set's seed (drawn apart, checked disjoint)

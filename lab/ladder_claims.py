@@ -22,6 +22,7 @@ from lab.claims import MIN_MODELS, frontier_rule, gap_stat, rise_stat, row, save
 from lab.stats import ci, interval, per_model_settled, replicates, sign_test, stream
 
 KL_ENTRY = 0.02                                  # rule 2: a global model enters this close to its prior
+PILOT_SEEDS = 2                                  # rule 5: no model of a scope's pilot enters: the scope stops
 TARGETS = [1.25, 1.75, 2.25, 2.75, 3.25, 3.75]   # rule 4: the whole-item depths operating points aim at
 
 # the modes judged: the gate's ETE-Ragged (whole item) and Dense-Ragged (decode), the gate-free rule
@@ -116,9 +117,12 @@ def judge(models, mode, labels):
 
 
 def verdict(entering, trained, targets):
-    """Rules 3 and 1: fewer than MIN_MODELS entering models: untested (no ladder); else untested
-    (saturated) where at most half the targets are testable, yes where more than half of the testable
-    ones pass, no otherwise."""
+    """Rules 3, 5 and 1: fewer than MIN_MODELS entering models: untested (no ladder; in the pilot
+    when none of its models entered, and the scope stopped there); else untested (saturated) where at
+    most half the targets are testable, yes where more than half of the testable ones pass, no
+    otherwise."""
+    if not entering and trained <= PILOT_SEEDS:
+        return f"untested (no ladder in the pilot: 0 of {trained} models)"
     if len(entering) < MIN_MODELS:
         return f"untested (no ladder: {len(entering)} of {trained} models)"
     testable = sum(t["testable"] for t in targets)

@@ -513,4 +513,10 @@ def test_fewer_than_three_climbers_read_untested_no_ladder():
     R["lad-local-uniform-s3"] = ladder_run("lad-local-uniform-s3", [0.25, 0.25, 0.25], seed=3)
     ete = {r["claim"]: r for r in lc.claim_rows(R)}["ETE-Ragged past the fixed depths' frontier: the ladder, local"]
     assert ete["here"].startswith("3 of 4 models enter") and ete["verdict"] == "yes"
+    # rule 5: a scope whose pilot has no climber stops there, and says so
+    pilot = {f"lad-global-uniform-s{i}": ladder_run(f"lad-global-uniform-s{i}", [0.25, 0.0, 0.0], "global",
+                                                    seed=i) for i in range(2)}
+    rows = {r["claim"]: r for r in lc.claim_rows(pilot)}
+    ete = rows["ETE-Ragged past the fixed depths' frontier: the ladder, global"]
+    assert ete["verdict"] == "untested (no ladder in the pilot: 0 of 2 models)"
 
