@@ -2,7 +2,8 @@
 Self-speculative decoding (engine/speculative.py) against fixed@U, the decode it must equal, with
 Dense-Ragged beside it: tokens/s as a ratio to fixed@U in the same run, block passes and LM-head
 calls a token, and how many drafts are kept, for every draft depth (and the exit gate's) and k, at
-fixed batches and in a server's queue, on a trained checkpoint; and how often d loops already give
+fixed batches and in a server's queue, on a trained checkpoint (rows a token beside passes: on a
+CPU a pass costs more the more rows it holds); and how often d loops already give
 the full-depth token (teacher-forced along fixed@U's own greedy continuations).
 
     python -m lab.bench --what=speculative --ckpt out/             # the quick-start checkpoint
@@ -131,6 +132,7 @@ def bench_speculative(c):
             made = n * n_new
             rows.append(dict(workload=label, config=name_of(config, U), tok_s=round(made / t, 1),
                              x_fixed=round(t_fixed / t, 3), passes_per_token=round(st["passes"] / made, 3),
+                             rows_per_token=round(st["rows"] / made, 2),
                              head_calls_per_token=round(st["head_calls"] / made, 3),
                              kept=round(st["accepted"] / st["drafted"], 3) if st["drafted"] else None,
                              tokens_per_verify=round((st["accepted"] + st["verifies"]) / st["verifies"], 2)
@@ -148,13 +150,14 @@ def print_rows(rows, agree, source, U):
           "this row's, same run", file=sys.stderr)
     print("teacher-forced, the full-depth token after d loops: "
           + ", ".join(f"d={d + 1} {a:.1%}" for d, a in enumerate(agree)), file=sys.stderr)
-    print(f"{'workload':<22}{'config':<30}{'tok/s':>9}{'x fixed':>9}{'passes/tok':>11}{'heads/tok':>10}"
-          f"{'kept':>7}{'tok/verify':>11}", file=sys.stderr)
+    print(f"{'workload':<22}{'config':<30}{'tok/s':>9}{'x fixed':>9}{'passes/tok':>11}{'rows/tok':>9}"
+          f"{'heads/tok':>10}{'kept':>7}{'tok/verify':>11}", file=sys.stderr)
     for r in rows:
         kept = "" if r["kept"] is None else f"{r['kept']:.0%}"
         tpv = "" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}"
         print(f"{r['workload']:<22}{r['config']:<30}{r['tok_s']:>9.1f}{r['x_fixed']:>9.2f}"
-              f"{r['passes_per_token']:>11.3f}{r['head_calls_per_token']:>10.3f}{kept:>7}{tpv:>11}",
+              f"{r['passes_per_token']:>11.3f}{r['rows_per_token']:>9.2f}{r['head_calls_per_token']:>10.3f}"
+              f"{kept:>7}{tpv:>11}",
               file=sys.stderr)
 
 
