@@ -28,14 +28,15 @@ def scheduler_for(mode):
 
 def chunk_end(s, budget):
     """Where the next chunk of positions of s (s.done.., up to s.runnable()) ends, given the rows
-    left in this step's budget; None: wait. A decode token always runs."""
+    left in this step's budget; None: wait. A decode token always runs, and so does a speculative
+    verification, whole (its k + 1 decoded positions: engine/speculative.py)."""
     n, start, avail = len(s.req.prompt), s.done, s.runnable()
     if start >= avail:
         return None
     if keeps_one_depth(s.req):
         return n if start < n else start + 1
-    if start == avail - 1:
-        return avail                    # one decode token: always runs
+    if start == avail - 1 or s.verifying:
+        return avail                    # one decode token, or a verification: always runs
     return min(avail, start + budget) if budget > 0 else None
 
 

@@ -47,6 +47,17 @@ def test_greedy_equals_fixed_at_every_draft_depth(draft_depth, k):
     assert s["draft_passes"] >= 1 and s["verify_passes"] >= s["verifies"]
 
 
+def test_a_verification_runs_whole_whatever_the_row_budget():
+    """A verification is decode work: like a decode token it runs whole even when --max_rows is 1
+    (sample.py's budget for a one-token prompt), in U passes, not cut into chunks of one row."""
+    model = varied_model()
+    r = Request(prompt(1), 16, "speculative", 0.5, draft_k=4, draft_depth=1, keep_logits=True)
+    e = Engine(model, 4000, max_batch=1, max_rows=1)
+    drive(e, [r])
+    assert_same(r, alone(model, fixed_twin(r)))
+    assert e.stats["verify_passes"] == U * e.stats["verifies"]
+
+
 @pytest.mark.parametrize("head", ["eager", "shared"])
 @pytest.mark.parametrize("scheduler", ["continuous", "nested"])
 def test_mixed_batches_equal_each_alone(scheduler, head):
