@@ -38,11 +38,11 @@ from engine.rows import Group, RowsView, embed_new, pass_logs, read_as_rows
 from engine.scheduler import SCHEDULERS, Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
+from engine.speculative import next_round
 from kernels import resolve_impl
 from model import exit_now
 from modes import check_request, n_run, position_rules
 from ragged import PagePool, RaggedSeq, alloc_wave, check_pool
-from engine.speculative import next_round
 
 RUNNERS = ["auto", "eager", "slots"]      # engine_for: the runner that applies the block
 

@@ -1,6 +1,6 @@
 """
-Self-speculative decoding's acceptance rule: tokens drafted by the model's own shallow loops, kept or
-replaced so that the output is fixed@U's exactly (the greedy tokens, or the sampled distribution).
+Self-speculative decoding: rounds of tokens drafted by the model's own shallow loops, and what a round
+keeps, so that the output is fixed@U's exactly (the greedy tokens, or the sampled distribution).
 
 A looped model carries its own draft model: the same block at fewer loops, with the same weights,
 pages and tokenizer. A speculative request (modes.MODES["speculative"]) decodes in rounds. Its last
@@ -24,9 +24,11 @@ same way: engine/request.sample_set), so the output is that of fixed@U under the
 Exactness of the cache: a draft at position j > b read its predecessors' K/V above their draft depth
 through aliases, so its deeper states are not fixed@U's. Verification therefore runs every drafted
 position again from depth 1 (the drafts' pages go back first: RaggedSeq.rewind), and after it the
-positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. The host
-(serve_depthbatch.Engine) runs the rounds; a draft row and a verify chunk are ordinary rows of the
-depth-batched passes.
+positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. Keeping the
+drafts' exact states (depths 1..d) would save k·d row evaluations a round but no pass: the last
+position, never drafted, must still run all U depths. A draft row and a verify chunk are ordinary
+rows of the depth-batched passes (serve_depthbatch.EagerRunner); the host (serve_depthbatch.Engine)
+turns a round with next_round, below, whenever the request has no row in flight.
 """
 import torch
 
