@@ -276,3 +276,25 @@ def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
     model = bench_gpu.ouro_shape_model("tiny", "cpu", int(torch.randint(0, 1000, ())), prompts)
     gates = model(torch.tensor(prompts))["gate_logits"]
     assert abs(float(threshold_exit(gates, bench_gpu.THR).float().mean()) - bench_gpu.TARGET_DEPTH) < 0.1
+
+
+def test_the_speculative_bench_checks_its_tokens_and_counts(tmp_path, capsys):
+    """lab.bench --what=speculative on a saved small model (prompts of random ids: it has no data):
+    every speculative row's tokens are fixed@U's, fixed@U runs U passes a token at batch 1, the
+    teacher-forced agreement is a share per draft depth, and the queue row is there."""
+    from checkpoint import model_args, save_checkpoint
+    model = varied_model()
+    save_checkpoint({"model": model.float().state_dict(), "model_args": model_args(model.config)},
+                    str(tmp_path / "ckpt.pt"))
+    bench.main(["--what=speculative", f"--ckpt={tmp_path}", "--prompt_len=6", "--new_tokens=10",
+                "--batches=1,2", "--draft_ks=1,3"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    U = model.config.n_loops
+    assert len(out["agreement_by_depth"]) == U - 1 and all(0 <= a <= 1 for a in out["agreement_by_depth"])
+    rows = out["rows"]
+    assert {r["workload"] for r in rows} == {"batch 1", "batch 2", "queue of 8, batch 2"}
+    assert all(r["identical"] for r in rows if r["config"].startswith("speculative"))
+    # fixed, Dense-Ragged, then (U - 1 draft depths and the gate) x 2 k
+    assert len([r for r in rows if r["workload"] == "batch 1"]) == 2 + U * 2
+    fixed = next(r for r in rows if r["workload"] == "batch 1" and r["config"] == f"fixed@{U}")
+    assert fixed["passes_per_token"] == U and fixed["x_fixed"] == 1
