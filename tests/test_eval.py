@@ -318,3 +318,9 @@ def test_speculative_scores_and_generates_as_fixed_at_full_depth(ckpt, tmp_path,
     run = lambda *a: sample.main(["--ckpt", folder, "--prompt=sum 1+2=", "--temperature=0", "--max_new_tokens=12",
                                   "--json", *a])[0]["tokens"]
     assert run("--mode=speculative", "--draft_depth=2", "--draft_k=5") == run("--mode=fixed")
+    capsys.readouterr()
+    run("--mode=speculative", "--draft_k=2")
+    rounds = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["speculative"]
+    assert rounds["draft_k"] == 2 and rounds["draft_depth"] == 1
+    # a round emits its kept drafts and one more token; the prompt's last position gives the first
+    assert rounds["accepted"] + rounds["verifies"] == 11 and rounds["accepted"] <= rounds["drafted"]
