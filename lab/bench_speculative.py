@@ -94,6 +94,8 @@ def workloads(c):
 
 
 def bench_speculative(c):
+    """Every configuration on every workload, in turns, the fastest of --rounds; a table on stderr and
+    the JSON record (rows, the teacher-forced agreement by draft depth)."""
     ckpt = None
     if c["ckpt"]:
         model, ckpt = load_checkpoint(c["ckpt"])
