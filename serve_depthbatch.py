@@ -373,7 +373,7 @@ class Engine:
             s.done = s.started
             if r.mode == "speculative":
                 out = next_round(s, self._deliver, self.stats)
-        while len(r.exits) < (min(s.done, s.base()) if r.mode == "speculative" else s.done):
+        while len(r.exits) < s.settled():
             e = s.exits.pop(len(r.exits))
             if len(r.exits) >= len(r.prompt):
                 s.decode_depths = [s.decode_depths[0] + e, s.decode_depths[1] + 1]

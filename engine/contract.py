@@ -43,6 +43,11 @@ class Live:
         """The position of its last token: the first a speculative round drafts from."""
         return len(self.req.prompt) + len(self.req.tokens) - 1
 
+    def settled(self):
+        """Positions whose exits are final: those done, short of a speculative round's drafts (their
+        exits become final once verified)."""
+        return min(self.done, self.base()) if self.req.mode == "speculative" else self.done
+
     def drafting(self):
         """Whether its next rows are drafts: a speculative request past its first token, before its
         round's verification."""

@@ -32,7 +32,7 @@ turns a round with next_round, below, whenever the request has no row in flight.
 """
 import torch
 
-from engine.request import keyed_uniform, sample_set, seed_bits
+from engine.request import keyed_uniform, sample_set, sample_token, seed_bits
 
 # The noise of a round: a draft is an ordinary draw keyed by (seed, position) (sample_token); the
 # acceptance test's uniform and the replacement's draw have streams of their own, so that no draw is
@@ -47,16 +47,16 @@ def probs(logits, r):
     return torch.zeros(logits.shape[-1], dtype=p.dtype, device=p.device).index_put((ids,), p / p.sum())
 
 
-def keyed(r, position, stream, n):
-    """n uniforms keyed by (r's seed, position, stream): the same on every rerun of the request."""
+def accept_uniform(r, position):
+    """The acceptance test's uniform for the draft drawn at `position`, keyed like every draw."""
     t = lambda v: torch.tensor(v, dtype=torch.long)
-    return keyed_uniform(t(seed_bits(r.seed)), t(position + stream), torch.arange(n), torch.float64)
+    return float(keyed_uniform(t(seed_bits(r.seed)), t(position + ACCEPT), t([0]), torch.float64)[0])
 
 
 def draw(p, r, position):
-    """A token from the distribution p (a Gumbel-max over its support, keyed like every draw)."""
-    g = -torch.log(-torch.log(keyed(r, position, REPLACE, p.numel())))
-    return int(torch.where(p > 0, torch.log(p.double()) + g, float("-inf")).argmax())
+    """A token from the distribution p: the sampler's own keyed draw (sample_token) on log p, in the
+    replacement's stream."""
+    return sample_token(torch.log(p), 1.0, 0, 1.0, r.seed, position + REPLACE)
 
 
 def accept(r, base, drafts, verified):
@@ -71,8 +71,7 @@ def accept(r, base, drafts, verified):
                 return out + [(y, p_logits)]
         else:
             p, q = probs(p_logits, r), probs(q_logits, r).to(p_logits.device)
-            u = float(keyed(r, base + i, ACCEPT, 1)[0])
-            if u * float(q[x]) > float(p[x]):           # refused: probability 1 - min(1, p/q)
+            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):           # refused: probability 1 - min(1, p/q)
                 rest = (p - q).clamp(min=0)
                 return out + [(draw(rest / rest.sum() if rest.sum() > 0 else p, r, base + i),
                                p_logits)]

@@ -12,7 +12,7 @@ from configurator import UserError
 from conftest import U, alone, assert_same, clone, drive, engine, prompt, random_model, varied_model
 from engine import speculative
 from engine.request import Request
-from engine.speculative import ACCEPT, draw, keyed, probs
+from engine.speculative import accept_uniform, draw, probs
 from serve_depthbatch import Engine
 
 
@@ -184,7 +184,7 @@ def test_sampled_tokens_are_distributed_as_fixed(how, monkeypatch):
         out = []
         for i, ((x, q_lg), (_, p_lg)) in enumerate(zip(drafts, verified)):
             p, q = probs(p_lg, r), probs(q_lg, r)
-            if float(keyed(r, base + i, ACCEPT, 1)[0]) * float(q[x]) > float(p[x]):
+            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):
                 return out + [(draw(p, r, base + i), p_lg)]
             out.append((x, p_lg))
         return out + [verified[len(drafts)]]
