@@ -6,6 +6,7 @@ this file before the runs they judge.
     python -m lab.ladder --stage=pilot           # 2 seeds a scope: does any model climb the ladder?
     python -m lab.ladder --stage=main            # 6 seeds a scope (8 if the pilot's learners are few)
     python -m lab.ladder --stage=family          # the global arm's other priors (means 1.75, 3.25)
+    python -m lab.ladder --stage=ra              # rule 6: RA and its dense controls from each entering model
     python -m lab.reproduce --full --report      # the verdicts (lab/ladder_claims.py), into RESULTS.md
     python -m lab.ladder --only=lad-local-uniform-s1337        # one run
 
@@ -53,20 +54,20 @@ import train
 from checkpoint import load_checkpoint, write_json
 from configurator import (SEED_RULE, THREADS_RULE, UserError, check_writable, parse, run_cli,
                          set_threads, split_list)
-from lab.ladder_claims import PILOT_SEEDS
-from lab.reproduce import provenance
+from lab.ladder_claims import PILOT_SEEDS, entry, load
+from lab.reproduce import ORDER2, branch_args, provenance
 from model import FULL, exit_pdf, forward_ragged
 from tokenizer import load_tokenizer
 
 DEFAULTS = dict(
-    stage="pilot",         # which runs: pilot, main, family (the global arm's other priors)
+    stage="pilot",         # which runs: pilot, main, family (the global arm's other priors), ra
     only="",               # comma-separated run names: just these
     out="results/ladder",  # run folders, the datasets (data/), the report
     seed=1337,             # the first seed
     threads=1,             # torch threads (1: two runs side by side on 2 cores)
     quick=False,           # a tiny version (a smoke test: seconds)
 )
-RULES = dict(stage=["pilot", "main", "family"], seed=SEED_RULE, threads=THREADS_RULE)
+RULES = dict(stage=["pilot", "main", "family", "ra"], seed=SEED_RULE, threads=THREADS_RULE)
 
 # rule 2: the block, the curriculum, the priors
 BLOCK = ["--n_layer=1", "--n_embd=256", "--n_head=8", "--n_kv_head=8", "--ffn_hidden=704",
@@ -84,6 +85,12 @@ DATA_TOKENS = 5_000_000                    # each stage's dataset (train + val),
 FAMILY = {"poisson1.325": ["--prior=poisson", "--prior_lambda=1.325"],
           "poisson6.311": ["--prior=poisson", "--prior_lambda=6.311"]}
 SEEDS = dict(pilot=PILOT_SEEDS, main=6, family=3)    # seeds a scope (main: 8 if the pilot's learners were ~1/3)
+# rule 6: each branch-off from an entering model (500 steps on the k <= 4 data, App. C's schedule):
+# ragged-aware training (direct), the same continuation with the dense objective, and that again on
+# another data order (the noise floor: how much 500 more steps move a model)
+BRANCH_ITERS, QUICK_BRANCH_ITERS = 500, 4
+BRANCHES = {"ra-direct": ["--ragged_aware", "--ra_method=direct"], "cont-dense": [],
+            "cont-dense-order2": []}
 TAUS = [round(0.05 * i, 2) for i in range(1, 20)]   # rule 4: 0.05 .. 0.95
 ITEMS_PER_K = 50                                    # rule 1: a set's items a k
 SETS = {"calibration": 4242, "judging": 2424}       # rule 1: each set's seed (drawn apart, checked disjoint)
@@ -92,7 +99,9 @@ KL_THRESHOLDS = [round(10 ** (-4 + 4.5 * i / 18), 6) for i in range(19)]       #
 
 
 def grid(c):
-    """Every run of the stage: name -> train.py's objective flags."""
+    """Every run of the stage: name -> train.py's objective flags (a branch's: --branch_from first)."""
+    if c["stage"] == "ra":
+        return branches(c)
     seeds = [c["seed"] + i for i in range(SEEDS[c["stage"]])]
     runs = {}
     if c["stage"] in ("pilot", "main"):
@@ -104,6 +113,24 @@ def grid(c):
         for prior, flags in FAMILY.items():
             for seed in seeds:
                 runs[f"lad-global-{prior}-s{seed}"] = flags + [f"--seed={seed}", "--global_kl"]
+    return runs
+
+
+def branches(c):
+    """Rule 6's runs: the three branch-offs of every measured model that enters (rules 2-3), with
+    its own objective flags (its prior, scope and seed; the noise floor's on another seed)."""
+    parents = {}
+    for stage in ("main", "family"):        # the main stage's seeds include the pilot's
+        parents.update(grid(dict(c, stage=stage)))
+    runs = {}
+    for name, run in load(c["out"]).items():
+        if name in parents and entry(run)[0]:
+            seed = run["config"]["seed"]
+            own = [f for f in parents[name] if not f.startswith("--seed=")]
+            for branch, flags in BRANCHES.items():
+                other = ORDER2 if branch.endswith("order2") else 0
+                runs[f"{name}-{branch}"] = ([f"--branch_from={os.path.join(c['out'], name)}"] + own
+                                            + [f"--seed={seed + other}"] + flags)
     return runs
 
 
@@ -132,15 +159,21 @@ def train_run(name, flags, c):
     if os.path.isfile(record):
         with open(record) as f:
             done = json.load(f)
-    base = (QUICK if c["quick"] else BLOCK) + flags + [f"--out_dir={folder}", "--dataset=hops",
-                                                         "--eval_thr=0.5", "--threads=1"]
-    for i, (k, until) in enumerate(QUICK_CURRICULUM if c["quick"] else CURRICULUM):
+    base = (QUICK if c["quick"] else BLOCK) + [f for f in flags if not f.startswith("--branch_from")] + [
+        f"--out_dir={folder}", "--dataset=hops", "--eval_thr=0.5", "--threads=1"]
+    stages = QUICK_CURRICULUM if c["quick"] else CURRICULUM
+    if flags[0].startswith("--branch_from"):     # a branch-off: one stage, on the hardest data
+        stages = [(stages[-1][0], QUICK_BRANCH_ITERS if c["quick"] else BRANCH_ITERS)]
+        base += branch_args(stages[0][1])
+    for i, (k, until) in enumerate(stages):
         if i < len(done):
             continue
         data = stage_data(c, k)
         args = base + [f"--data_dir={data}", f"--stop_iter={until}"]
         if os.path.isfile(os.path.join(folder, "ckpt.pt")):
             args.append("--init_from=resume")
+        elif flags[0].startswith("--branch_from"):
+            args.append(flags[0])
         print(f"== {name}, stage {i + 1} (k <= {k}, to step {until}): python train.py "
               f"{' '.join(args)}", file=sys.stderr)
         made, wall, cpu = provenance(), time.time(), cpu_seconds()

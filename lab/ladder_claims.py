@@ -116,12 +116,12 @@ def judge(models, mode, labels):
     return out
 
 
-def verdict(entering, trained, targets):
+def verdict(entering, trained, targets, pilot=False):
     """Rules 3, 5 and 1: fewer than MIN_MODELS entering models: untested (no ladder; in the pilot
-    when none of its models entered, and the scope stopped there); else untested (saturated) where at
-    most half the targets are testable, yes where more than half of the testable ones pass, no
-    otherwise."""
-    if not entering and trained <= PILOT_SEEDS:
+    when a scope's pilot was all it trained and none of its models entered: the scope stopped there);
+    else untested (saturated) where at most half the targets are testable, yes where more than half of
+    the testable ones pass, no otherwise."""
+    if not entering and pilot:
         return f"untested (no ladder in the pilot: 0 of {trained} models)"
     if len(entering) < MIN_MODELS:
         return f"untested (no ladder: {len(entering)} of {trained} models)"
@@ -131,36 +131,68 @@ def verdict(entering, trained, targets):
     return "yes" if sum(t["passes"] for t in targets) > testable / 2 else "no"
 
 
+# rule 6: the branch-offs of the entering models (lab/ladder.py's BRANCHES), as their rows name them
+BRANCHES = {"ra-direct": "after ragged-aware training (direct, 500 steps)",
+            "cont-dense": "after 500 dense steps (RA's control)",
+            "cont-dense-order2": "after 500 dense steps on another data order (the noise floor)"}
+
+
+def branch_of(run):
+    """The branch kind a run's name ends with (rule 6), or None for a model trained from scratch."""
+    return next((b for b in sorted(BRANCHES, key=len, reverse=True) if run["name"].endswith("-" + b)), None)
+
+
 def claim_rows(R):
     """The ladder's rows for RESULTS.md: per scope, who enters (rules 2-3), then rule 1 for each mode
-    (rules 4-7) over the entering models."""
+    (rules 4-7) over the entering models; then the same for the ragged-aware branches and their dense
+    control (rule 6), beside one row of who enters among all three branch kinds."""
     out = []
     for scope in ("local", "global"):
-        runs = [r for r in R.values() if scope_of(r) == scope and "-ra-" not in r["name"]
-                and "-cont-" not in r["name"]]
-        if not runs:
+        runs = [r for r in R.values() if scope_of(r) == scope and branch_of(r) is None]
+        if runs:
+            out += group_rows(runs, scope, "", pilot=len(runs) <= PILOT_SEEDS)
+        kids = {b: [r for r in R.values() if scope_of(r) == scope and branch_of(r) == b] for b in BRANCHES}
+        if not any(kids.values()):
             continue
-        gate = {r["name"]: entry(r) for r in runs}
-        entering = [r for r in runs if gate[r["name"]][0]]
-        cells = [f"{name}: " + ", ".join(f"fixed@{d + 1} − fixed@{d} {v:.2f} [{lo:.2f}, {hi:.2f}]"
-                                          for d, v, lo, hi in steps)
-                 + (f"; KL(π̄ ‖ prior) {kl:.4f}" if scope == "global" else "")
-                 + (" (enters)" if ok else " (does not enter)")
-                 for name, (ok, steps, kl) in gate.items()]
-        out.append(row(f"The ladder: models that climb it (every loop buys one look-up): {scope}",
-                       "Fig. 1", "rules 2-3 (lab/ladder.py): on the calibration items, each loop "
-                       "answers better than the one before, interval excluding 0, for every depth "
-                       f"(a global model within {KL_ENTRY} of its prior)",
-                       f"{len(entering)} of {len(runs)} models enter", " | ".join(cells),
-                       verdict=f"{len(entering)} of {len(runs)}", runs=runs))
-        for mode, (name, axis) in MODES.items():
-            targets = judge(entering, mode, ("ladder", scope, mode)) if entering else []
-            out.append(ladder_row(name, axis, scope, entering, runs, targets))
+        gates = {b: [entry(r)[0] for r in k] for b, k in kids.items()}
+        out.append(row(f"The ladder after 500 more steps: models that climb it: {scope}", "Fig. 1, §5",
+                       "rules 2-3 and 6 (lab/ladder.py) on each branch-off of an entering model",
+                       "; ".join(f"{b}: {sum(g)} of {len(g)} enter" for b, g in gates.items()),
+                       " | ".join(entry_cell(r, scope) for k in kids.values() for r in k),
+                       verdict=", ".join(f"{sum(g)} of {len(g)}" for g in gates.values()),
+                       runs=[r for k in kids.values() for r in k]))
+        for b in ("ra-direct", "cont-dense"):
+            if kids[b]:
+                out += group_rows(kids[b], scope, f" {BRANCHES[b]}")[1:]
     return out
 
 
-def ladder_row(name, axis, scope, entering, runs, targets):
-    v = verdict(entering, len(runs), targets)
+def entry_cell(run, scope):
+    """One model's entry numbers: each loop's gain with its interval, its KL to the prior (global)."""
+    ok, steps, kl = entry(run)
+    return (f"{run['name']}: " + ", ".join(f"fixed@{d + 1} − fixed@{d} {v:.2f} [{lo:.2f}, {hi:.2f}]"
+                                           for d, v, lo, hi in steps)
+            + (f"; KL(π̄ ‖ prior) {kl:.4f}" if scope == "global" else "")
+            + (" (enters)" if ok else " (does not enter)"))
+
+
+def group_rows(runs, scope, label, pilot=False):
+    """A group's rows: who enters, then rule 1 for each mode over the entering models."""
+    entering = [r for r in runs if entry(r)[0]]
+    out = [row(f"The ladder: models that climb it (every loop buys one look-up): {scope}",
+               "Fig. 1", "rules 2-3 (lab/ladder.py): on the calibration items, each loop "
+               "answers better than the one before, interval excluding 0, for every depth "
+               f"(a global model within {KL_ENTRY} of its prior)",
+               f"{len(entering)} of {len(runs)} models enter", " | ".join(entry_cell(r, scope) for r in runs),
+               verdict=f"{len(entering)} of {len(runs)}", runs=runs)]
+    for mode, (name, axis) in MODES.items():
+        targets = judge(entering, mode, ("ladder", scope, mode) + ((label,) if label else ())) if entering else []
+        out.append(ladder_row(name, axis, f"{scope}{label}", entering, runs, targets, pilot))
+    return out
+
+
+def ladder_row(name, axis, scope, entering, runs, targets, pilot):
+    v = verdict(entering, len(runs), targets, pilot)
     cells = [f"target {t['target']}: depth {t['depth']:.2f}, gap {ci(t['gap'], t['reps'], 3)} "
              f"({sign_test(t['own'], 'better')}); envelope rise {ci(t['rise'], t['rise_reps'], 3)}"
              f"{'' if t['testable'] else ' (the envelope does not rise there: not counted)'}; "
@@ -183,9 +215,9 @@ def runs_table(R):
         return []
     lines = ["", "### The ladder's runs", "",
              "Each run of `python -m lab.ladder` (rules and stages: lab/ladder.py): its curriculum "
-             "stages (k <= 2 to step 1,000, then k <= 4 to step 3,000), the commit and CPU minutes of "
-             "each, the commit it was measured at, and its calibration accuracy at fixed@1..4 (every "
-             "answer of 200 items).", "",
+             "stages (k <= 2 to step 1,000, then k <= 4 to step 3,000; a branch-off of rule 6: 500 "
+             "steps on k <= 4), the commit and CPU minutes of each, the commit it was measured at, and "
+             "its calibration accuracy at fixed@1..4 (every answer of 200 items).", "",
              "| run | stage commits (CPU min) | measured at | fixed@1..4 | KL(π̄ ‖ prior) | enters |",
              "|---|---|---|---|---|---|"]
     for name, r in sorted(R.items()):
@@ -201,13 +233,13 @@ def runs_table(R):
 # ----------------------------------------------------------------------------- the figure
 
 def draw(R, path):
-    """Fig. 1 in the paper's style, a panel an entering model: its fixed-depth accuracy at depths
-    1..U and the operating points of each mode at their depth, with 95% intervals over the judging
-    items."""
+    """Fig. 1 in the paper's style, a panel an entering model (and entering RA branch): its
+    fixed-depth accuracy at depths 1..U and the operating points of each mode at their depth, with 95%
+    intervals over the judging items."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    models = [r for r in R.values() if entry(r)[0]]
+    models = [r for r in R.values() if entry(r)[0] and branch_of(r) in (None, "ra-direct")]
     if not models:
         return None
     fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.0), squeeze=False)

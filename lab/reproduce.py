@@ -172,6 +172,14 @@ def grid(c):
 ORDER2 = 1000     # the noise-floor control's seed offset: the same continuation, another data order
 
 
+def branch_args(iters):
+    """train.py's schedule of a branch-off (App. C): `iters` steps from the parent's weights at a
+    low rate (3e-4, decaying to 1e-4 unless --lr_decay_start holds it), no warmup, evaluated
+    half-way and at the end."""
+    return [f"--max_iters={iters}", f"--eval_interval={max(iters // 2, 1)}", "--warmup_iters=0",
+            "--learning_rate=3e-4", "--min_lr=1e-4"]
+
+
 def prepare(c, size, data_dir):
     """The datasets of the grid, once."""
     if not os.path.isfile(os.path.join(data_dir, "synthetic", "meta.json")):
@@ -212,9 +220,7 @@ def run_one(name, spec, c, size, runs):
         f"--out_dir={folder}", f"--data_dir={os.path.join(c['out'], 'data')}", f"--dataset={spec['data']}",
         "--eval_thr=" + ",".join(map(str, THRS))]
     if spec.get("parent"):
-        iters = budget["branch_iters"]
-        args += [f"--max_iters={iters}", f"--eval_interval={max(iters // 2, 1)}", "--warmup_iters=0",
-                 "--learning_rate=3e-4", "--min_lr=1e-4"]
+        args += branch_args(budget["branch_iters"])
     if os.path.isfile(os.path.join(folder, "ckpt.pt")):
         args += ["--init_from=resume"]
     elif spec.get("parent"):

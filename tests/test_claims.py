@@ -520,3 +520,43 @@ def test_fewer_than_three_climbers_read_untested_no_ladder():
     ete = rows["ETE-Ragged past the fixed depths' frontier: the ladder, global"]
     assert ete["verdict"] == "untested (no ladder in the pilot: 0 of 2 models)"
 
+
+
+def test_the_ragged_aware_branches_leave_only_entering_models_and_are_judged_alone(tmp_path):
+    """Rule 6: the ra stage branches off every measured model that enters (RA direct, the dense
+    continuation, that again on another data order) and no other; trained, each is a 4-step branch of
+    its parent with its own objective; the branches' rows are judged on the branches alone, and two
+    of them read 'no ladder', never 'in the pilot'."""
+    import json
+
+    import torch
+
+    from lab import ladder, ladder_claims as lc
+    out = str(tmp_path)
+    ladder.main(["--stage=pilot", "--quick", f"--out={out}", "--only=lad-local-uniform-s1337,lad-local-uniform-s1338"])
+    for name, steps in (("lad-local-uniform-s1337", [0.25, 0.25, 0.25]), ("lad-local-uniform-s1338", [0.25, 0.0, 0.0])):
+        with open(tmp_path / name / "result.json", "w") as f:
+            json.dump(ladder_run(name, steps, seed=int(name[-4:])), f, default=int)
+    runs = ladder.grid(dict(ladder.DEFAULTS, stage="ra", out=out, quick=True))
+    assert sorted(runs) == [f"lad-local-uniform-s1337-{b}" for b in ("cont-dense", "cont-dense-order2", "ra-direct")]
+    ladder.main(["--stage=ra", "--quick", f"--out={out}"])
+    for branch, seed, ra in (("ra-direct", 1337, True), ("cont-dense", 1337, False),
+                             ("cont-dense-order2", 2337, False)):
+        folder = tmp_path / f"lad-local-uniform-s1337-{branch}"
+        config = torch.load(folder / "ckpt.pt", weights_only=True)["config"]
+        got = (config["seed"], config["ragged_aware"], config["max_iters"], config["prior"])
+        assert got == (seed, ra, 4, "uniform")
+        assert config["branch_from"] == str(tmp_path / "lad-local-uniform-s1337")
+        with open(folder / "stages.json") as f:
+            assert [(s["k"], s["until"]) for s in json.load(f)] == [(4, 4)]
+    # the verdicts: the parents' rows count the parents only, the branches' their own models
+    R = {n: ladder_run(n, [0.25, 0.25, 0.25], seed=i) for i, n in enumerate(
+        ["lad-local-uniform-s1", "lad-local-uniform-s1-ra-direct", "lad-local-uniform-s1-cont-dense",
+         "lad-local-uniform-s2-ra-direct", "lad-local-uniform-s1-cont-dense-order2"])}
+    R["lad-local-uniform-s2-cont-dense"] = ladder_run("lad-local-uniform-s2-cont-dense", [0.25, 0.0, 0.0], seed=7)
+    rows = {r["claim"]: r for r in lc.claim_rows(R)}
+    assert rows["ETE-Ragged past the fixed depths' frontier: the ladder, local"]["verdict"] == \
+        "untested (no ladder: 1 of 1 models)"
+    ra = rows["ETE-Ragged past the fixed depths' frontier: the ladder, local " + lc.BRANCHES["ra-direct"]]
+    assert ra["verdict"] == "untested (no ladder: 2 of 2 models)" and len(ra["runs"]) == 2
+    assert rows["The ladder after 500 more steps: models that climb it: local"]["verdict"] == "2 of 2, 1 of 2, 1 of 1"
