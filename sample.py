@@ -43,7 +43,7 @@ from engine.request import Request
 from modes import MODES
 from engine.scheduler import scheduler_for
 from engine.shared_head import HEADS
-from serve_depthbatch import RUNNERS, engine_for
+from engine.build import RUNNERS, engine_for
 from engine.slot_pass import draw_kind
 from tokenizer import IM_END, chat_ids, check_chat, start_of_text
 

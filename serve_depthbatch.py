@@ -6,46 +6,40 @@ host loop that feeds it (Engine).
     engine = Engine(model, kv_pages=4000, max_batch=8)
     done = engine.run([Request(prompt_ids, max_tokens=32, mode="dense_ragged", thr=0.5)])
 
-All loop iterations share one set of weights, so tokens at different depths can go through the block
-in the same batch. A *row* is one token of one request at one depth, with its own position, its own
-page-table column and its own K/V page. Each step applies the block once to every row in flight,
-whatever its depth: a row that exits (Eq. 4, each request with its own threshold τ) has its token
-sampled at once, and its request's next token joins at depth 1 on the next step. Every pass is useful
-work, so passes approach the work-conserving bound Σ e_i / B. (The paper's nested runner kept a wave
-of rows in the loop until all of them had exited: `--scheduler=nested`; Ouro's way runs every token
-all U loops: `--scheduler=fixed`. Both are kept as baselines.)
+All loops share one set of weights, so tokens at different depths can go through the block in one
+batch. A *row* is one token of one request at one depth, with its own position, page-table column and
+K/V page. Each step applies the block once to every row in flight, whatever its depth: a row that
+exits (Eq. 4, with its request's τ) has its token sampled at once, and its request's next token joins
+at depth 1 on the next step. Every pass is useful work, so passes approach the work-conserving bound
+Σ e_i / B. (The paper's nested runner kept a wave in the loop until all of it had exited:
+`--scheduler=nested`; Ouro's way runs every token all U loops: `--scheduler=fixed`. Both are kept as
+baselines.)
 
 Memory is capacity. One PagePool holds every request's pages; a RaggedSeq per request maps (position,
 depth) to pages, deeper entries aliasing a token's terminal page (Eq. 11), so a request holds Σ e_i
-pages (Eq. 12). A page is taken only for the depth a row runs. When the pool runs dry, the newest
-request is preempted (its pages freed, back to the front of the queue); on its return its cache is
-rebuilt by a replay that runs each position to the exit it had, so it continues exactly as it would
-have.
+pages (Eq. 12), each taken only for the depth a row runs. When the pool runs dry, the newest request
+is preempted (beyond the paper): its pages are freed, and on its return a replay runs each position to
+the exit it had, so it continues exactly as it would have.
 
-Beyond the paper, in engine/ (the second sitting, the GPU path): the slot runner, the same pass as a
-CUDA graph with its rows on the device (engine/slots.py); the queue and its baselines
-(engine/scheduler.py); the shared LM head (engine/shared_head.py); the contract between the host and
-a runner (engine/contract.py). sample.py, server.py and lab/ build an engine with engine_for.
+Beyond the paper, in engine/ (a second sitting, the GPU path): the slot runner (engine/slots.py), the
+queue (engine/scheduler.py), the shared LM head, the runner contract (engine/contract.py), and
+engine_for (engine/build.py), the entry point of sample.py, server.py and lab/.
 """
 import numpy as np
 import torch
 
 from configurator import UserError
-from engine.contract import Live, Runner
-from engine.graphs import can_capture
+from engine.contract import STATS, Live, Runner
 from engine.request import sample_token
-from engine.rows import Group, RowsView, embed_new, pass_logs, read_as_rows
-from engine.scheduler import SCHEDULERS, Scheduler
+from engine.rows import Group, RowsView, embed_new, host_lists, pass_logs, read_as_rows
+from engine.scheduler import Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
-from engine.speculative import next_round
+from engine.speculative import aside, count_passes, next_round
 from kernels import resolve_impl
 from model import exit_now
 from modes import check_request, n_run, position_rules
 from ragged import PagePool, RaggedSeq, alloc_wave, check_pool
-
-RUNNERS = ["auto", "eager", "slots"]      # engine_for: the runner that applies the block
-
 
 # ----------------------------------------------------------------------------- one pass
 
@@ -148,28 +142,18 @@ class EagerRunner(Runner):
         """Eq. 4 online for every row with its request's τ (model.exit_now, the references' rule): a
         replayed row exits where it did before, the last depth always exits, a full row (Ouro mode, a
         Dense-Ragged prompt) runs on to its last depth after its exit. The rows that run on carry
-        their state to the next depth; the others leave their group. Returns per row of the batch
-        (group, position, row, newly exited, stopped)."""
-        offsets = [(g, g.offsets()) for g in groups]      # the groups' host lists, row by row
-        tau = torch.from_numpy(np.array([g.tau[k] for g, ks in offsets for k in ks], dtype=np.float64))
-        forced, decided, full, depth, last = torch.from_numpy(np.array(
-            [[g.forced[k], g.exits[k], g.full[k], g.d, g.d == g.n_run - 1] for g, ks in offsets
-             for k in ks], dtype=np.int64).T)
-        full, last = full.bool(), last.bool()
+        their state to the next depth; the others leave their group (Group.settle). Returns per row
+        of the batch (group, position, row, newly exited, stopped)."""
+        tau, forced, decided, full, depth, last = host_lists(groups)    # row by row, in batch order
         survive = torch.cat([g.survive for g in groups])
         survive, hit = exit_now(survive, gate, tau.to(gate.device, gate.dtype))
         hit = torch.where(forced > 0, forced == depth + 1, hit.cpu())     # one copy to the host
         newly = (decided == 0) & (hit | last)
         runs_on = torch.where(newly, full & ~last, ~last)
-        rows, newly_list, going = [], newly.tolist(), runs_on.tolist()
-        for g, ks in offsets:
-            for i, (k, pos) in enumerate(zip(ks, g.pos.tolist())):
-                row = g.span.start + i
-                if newly_list[row]:
-                    g.exits[k] = g.d + 1
-                rows.append((g, pos, row, newly_list[row], not going[row]))
-            g.advance(going[g.span], runs_on[g.span], h_next[g.span], survive[g.span], self.U)
-        return rows
+        newly_list, going = newly.tolist(), runs_on.tolist()
+        return [row for g in groups for row in g.settle(newly_list[g.span], going[g.span],
+                                                        runs_on[g.span], h_next[g.span],
+                                                        survive[g.span], self.U)]
 
     def _sample(self, rows):
         """The LM head on the rows [(Live, position, normed state)] whose exit samples their request's
@@ -206,15 +190,10 @@ class Engine:
     (engine/slots.py, the same pass as CUDA graphs), with its options. Call add() and step() from one
     thread (server.py runs them on an engine thread); Request.cancelled may be set from anywhere.
     It holds a request from add() to its end, then lets go of it (its caller keeps what it needs),
-    so that its memory is bounded by what is in flight. stats counts what it did (passes in which
-    a row ran, rows, preemptions, replayed rows, the most requests in flight, LM-head calls and the
-    tokens they sampled, requests finished; speculative rounds: passes with a draft row or a verify
-    row, verifications, drafts and drafts kept; the slot runner adds its own)."""
+    so that its memory is bounded by what is in flight. stats counts what it did (STATS)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous",
                  attn="auto", head="eager", runner="eager", **options):
-        if scheduler not in SCHEDULERS:
-            raise UserError(f"--scheduler={scheduler!r}; allowed: {', '.join(SCHEDULERS)}", "scheduler")
         if head not in HEADS:
             raise UserError(f"--head={head!r}; allowed: {', '.join(HEADS)}", "head")
         self.model, self.U = model, model.config.n_loops
@@ -227,10 +206,7 @@ class Engine:
         self.pool = PagePool.for_model(model, kv_pages)
         self.scheduler = Scheduler(self.pool, self.U, max_batch, max_rows, scheduler)
         self.next_id = 0
-        self.stats = dict(passes=0, rows=0, preemptions=0, replayed_rows=0, max_in_flight=0,
-                          head_calls=0, head_rows=0, finished=0,
-                          # speculative rounds: passes with a draft or verify row, rounds, drafts, kept
-                          draft_passes=0, verify_passes=0, verifies=0, drafted=0, accepted=0)
+        self.stats = dict.fromkeys(STATS, 0)
         if runner == "slots":
             self.runner = SlotRunner(model, self.pool, self.stats, attn, head, scheduler, max_batch,
                                      max_rows, **options)
@@ -315,9 +291,7 @@ class Engine:
             ran = sum(n for s, n in log.ran if s.seq is not None)     # rows of requests still running
             self.stats["passes"] += ran > 0
             self.stats["rows"] += ran
-            spec = [s for s, n in log.ran if n and s.seq is not None and s.req.mode == "speculative"]
-            self.stats["draft_passes"] += any(s.drafting() for s in spec)
-            self.stats["verify_passes"] += any(s.verifying for s in spec)
+            count_passes(log, self.stats)              # a speculative round's draft and verify passes
             touched = set()
             for row in log.said:
                 s = row.live
@@ -329,13 +303,8 @@ class Engine:
                     s.stops.append((row.pos, row.depth - 1))
                     s.rows -= 1
                     stopped.add(s)
-                if row.tok >= 0 and not s.req.cancelled:
-                    if s.drafting():                  # a speculative round's draft: kept aside
-                        s.drafts.append((row.tok, row.logits))
-                    elif s.verifying:                 # its full-depth token at this position
-                        s.verified[row.pos] = (row.tok, row.logits)
-                    else:
-                        sampled.append(self._deliver(s, row.tok, row.logits))
+                if row.tok >= 0 and not s.req.cancelled and not aside(s, row):  # a round's: aside
+                    sampled.append(self._deliver(s, row.tok, row.logits))
                 if row.go:                   # its positions so far are done; the next runs in its place
                     s.rows, s.done, s.started = s.rows + 1, row.pos + 1, row.pos + 2
                 touched.add(s)
@@ -452,28 +421,6 @@ class Engine:
         held = sum(int(s.seq.real[:s.seq.n].sum()) for s in running)
         assert held == self.pool.used, f"{self.pool.used} pages used, {held} held by running requests"
         self.runner.check(running)
-
-
-def engine_for(model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous", attn="auto",
-               head="auto", runner="auto", sampling=None):
-    """The engine for this device, the one entry point of sample.py, server.py and lab/. runner
-    "auto": the slot runner with CUDA graphs where graphs can be captured (a GPU, where the eager
-    runner waits on the host); the eager runner on a CPU, where it is the faster (it gathers only the
-    keys each row reads; docs/benchmarks.md), and for what the slot runner leaves to it (the nested
-    scheduler, the shared LM head, the Table 17 modes). head "auto": the runner's own, eager on the
-    slot runner (it runs the head on every pass), shared on the eager one. sampling: the draws the
-    slot runner captures when it starts (engine/slot_pass.SAMPLING; a script that knows its
-    requests' names theirs)."""
-    if runner not in RUNNERS:
-        raise UserError(f"--runner={runner!r}; allowed: {', '.join(RUNNERS)}", "runner")
-    if runner == "auto":
-        graphs = can_capture(model.lm_head.weight.device)
-        runner = ("slots" if graphs and scheduler != "nested" and attn != "flex" and head != "shared"
-                  else "eager")
-    if head == "auto":
-        head = "eager" if runner == "slots" else "shared"
-    options = {"sampling": sampling} if runner == "slots" and sampling else {}
-    return Engine(model, kv_pages, max_batch, max_rows, scheduler, attn, head, runner, **options)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from ragged import page_bytes, pool_pages
 from engine.scheduler import SCHEDULERS
 from engine.serving import Server
 from engine.shared_head import HEADS
-from serve_depthbatch import RUNNERS, engine_for
+from engine.build import RUNNERS, engine_for
 from tokenizer import has_chat, start_of_text
 
 MAX_BODY = 16 << 20                       # bytes of one request body

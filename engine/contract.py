@@ -14,6 +14,17 @@ from typing import NamedTuple, Optional
 import torch
 
 
+# What an engine counts (Engine.stats): the host and its runner count into one dict (the slot runner
+# adds launched, waits and drained: engine/slots.py).
+STATS = {"passes": "passes in which a row ran", "rows": "rows run (a token at a depth)",
+         "preemptions": "requests preempted", "replayed_rows": "rows run again by a replay",
+         "max_in_flight": "the most requests running at once", "head_calls": "LM-head calls",
+         "head_rows": "tokens delivered", "finished": "requests ended",
+         "draft_passes": "passes with a speculative draft row", "verify_passes": "passes with a verify row",
+         "verifies": "speculative rounds verified", "drafted": "tokens drafted",
+         "accepted": "drafts kept"}
+
+
 class Live:
     """The host's record of one request, from its admission to its end: its page table, how far its
     positions have run, its rows in flight and the exits they decided, what preemption has cost it.

@@ -5,6 +5,7 @@ writes its page and reads its request's table column at its own depth (Eq. 7 thr
 A *row* is one token of one request at one depth. serve_depthbatch.EagerRunner runs them; the slot
 runner's rows live on the device (engine/slot_pass.py).
 """
+import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -41,6 +42,17 @@ class Group:
         position pos[i] = start + offsets()[i])."""
         return (self.pos - self.start).tolist()
 
+    def settle(self, newly, going, runs_on, h_next, survive, U):
+        """Its rows' exits after a pass (newly: exited now, a list), then advance. Returns its rows'
+        entries (group, position, row of the batch, newly exited, stopped)."""
+        out = []
+        for i, (k, pos) in enumerate(zip(self.offsets(), self.pos.tolist())):
+            if newly[i]:
+                self.exits[k] = self.d + 1
+            out.append((self, pos, self.span.start + i, newly[i], not going[i]))
+        self.advance(going, runs_on, h_next, survive, U)
+        return out
+
     def advance(self, going, runs_on, h_next, survive, U):
         """After a pass: the rows that run on (going, a list; runs_on, its mask) keep their state for
         the next depth; the stopped ones leave (Table 17's rows keep one depth from then on)."""
@@ -55,6 +67,18 @@ class Group:
             keep_one_depth(self, self.pos, U)
             self.pos = self.pos[:0]
         self.d += 1
+
+
+def host_lists(groups):
+    """The groups' host lists, row by row in batch order, as tensors: τ, the exit a replay forces (0:
+    decide), the exit decided (0: none), runs on after its exit, the depth it runs (0-based), whether
+    that is its last."""
+    rows = [(g, k) for g in groups for k in g.offsets()]
+    tau = torch.from_numpy(np.array([g.tau[k] for g, k in rows], dtype=np.float64))
+    forced, decided, full, depth, last = torch.from_numpy(np.array(
+        [[g.forced[k], g.exits[k], g.full[k], g.d, g.d == g.n_run - 1] for g, k in rows],
+        dtype=np.int64).reshape(-1, 5).T)
+    return tau, forced, decided, full.bool(), depth, last.bool()
 
 
 class RowsView:

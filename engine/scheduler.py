@@ -15,6 +15,7 @@ whose rows have all finished) and .runnable() (positions it must run).
 """
 from collections import deque
 
+from configurator import UserError
 from modes import as_fixed, keeps_one_depth, n_run, need
 
 SCHEDULERS = ["continuous", "nested", "fixed"]
@@ -64,6 +65,8 @@ class Scheduler:
     asks only then), `fixed` holds a wave to requests of one depth."""
 
     def __init__(self, pool, U, max_batch, max_rows, kind):
+        if kind not in SCHEDULERS:
+            raise UserError(f"--scheduler={kind!r}; allowed: {', '.join(SCHEDULERS)}", "scheduler")
         self.pool, self.U, self.max_batch, self.max_rows, self.kind = pool, U, max_batch, max_rows, kind
         self.waiting, self.running = deque(), []
 

@@ -28,7 +28,8 @@ positions of rejected tokens go back too; the positions kept hold exact full-dep
 drafts' exact states (depths 1..d) would save k·d row evaluations a round but no pass: the last
 position, never drafted, must still run all U depths. A draft row and a verify chunk are ordinary
 rows of the depth-batched passes (serve_depthbatch.EagerRunner); the host (serve_depthbatch.Engine)
-turns a round with next_round, below, whenever the request has no row in flight.
+keeps a round's tokens aside (aside, below) and turns the round with next_round whenever the request
+has no row in flight.
 """
 import torch
 
@@ -80,6 +81,23 @@ def accept(r, base, drafts, verified):
 
 
 # ----------------------------------------------------------------------------- a round, on the host
+
+def count_passes(log, stats):
+    """A pass's share of the engine's counts: whether a speculative request ran a draft row in it
+    (draft_passes) or a verify row (verify_passes)."""
+    spec = [s for s, n in log.ran if n and s.seq is not None and s.req.mode == "speculative"]
+    stats["draft_passes"] += any(s.drafting() for s in spec)
+    stats["verify_passes"] += any(s.verifying for s in spec)
+
+
+def aside(s, row):
+    """A token its row sampled (engine/contract.Said), kept for the round where it is not delivered:
+    a draft, or the full-depth result of a verified position. Returns whether it was kept aside."""
+    if s.drafting():
+        s.drafts.append((row.tok, row.logits))
+    elif s.verifying:
+        s.verified[row.pos] = (row.tok, row.logits)
+    return s.drafting() or s.verifying
 
 def next_round(s, deliver, stats):
     """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):

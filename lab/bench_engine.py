@@ -69,7 +69,7 @@ def cost(U, weights, passes, head_calls, avg_depth):
     """Decode on one device is weight-bound at small batch: a block pass reads the block's weights
     (W_block) and a head call the LM head's (W_head), whatever the rows. Weights read by a run, and
     the ideal speed against fixed@U per sampled token at full batch width: (U·W_block + W_head) /
-    (Ē·W_block + W_head). weights: (W_block, W_head), serve_depthbatch.weight_bytes."""
+    (Ē·W_block + W_head). weights: (W_block, W_head), engine/shared_head.weight_bytes."""
     wb, wh = weights
     return dict(weight_gb=(passes * wb + head_calls * wh) / 1e9, head_to_block=wh / wb,
                 ideal_cost=(U * wb + wh) / (avg_depth * wb + wh))

@@ -1,5 +1,5 @@
 """
-The engine on a GPU at Ouro-1.4B's shape: graphed (slot_engine.py) and eager (serve_depthbatch.py),
+The engine on a GPU at Ouro-1.4B's shape: graphed (engine/slots.py) and eager (serve_depthbatch.py),
 against the Ouro way graphed and eager, and against the weight-read ceiling; and what the graphed pass
 costs, counted on any device.
 
@@ -56,7 +56,8 @@ from model import GPTConfig, LoopedLM, forward_lanes, fuse_projections, threshol
 from ragged import DenseLanes, PagePool, pool_pages
 from engine.request import Request, sample_token
 from engine.shared_head import weight_bytes
-from serve_depthbatch import Engine, engine_for
+from engine.build import engine_for
+from serve_depthbatch import Engine
 from engine.graphs import Graphs, allow_recompiles
 from engine.slot_pass import Slots, finish_rows
 

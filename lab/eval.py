@@ -42,7 +42,7 @@ from ragged import pool_pages
 from engine.request import Request
 from engine.scheduler import scheduler_for
 from engine.shared_head import HEADS
-from serve_depthbatch import RUNNERS, engine_for
+from engine.build import RUNNERS, engine_for
 from engine.slot_pass import draw_kind
 from lab import harness
 from lab.tasks import BENCHMARKS, builtin_items, convert, gen_prompt_text, is_correct, load_task, shot_text, write_lines

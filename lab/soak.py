@@ -30,7 +30,7 @@ from configurator import MODEL_RUN, MODEL_RUN_RULES, SEED_RULE, parse, run_cli, 
 from model import GPTConfig, LoopedLM
 from prepare_data import SYNTH_CHARS
 from ragged import pool_pages
-from serve_depthbatch import engine_for
+from engine.build import engine_for
 from server import serve
 from tokenizer import char_meta, load_tokenizer
 

@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the proje
 LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoint", "run_folder", "tokenizer", "api",
            "configurator",
            "server", "objectives", "metrics",
-           "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
+           "engine.build", "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
            "engine.slots", "engine.slot_pass", "engine.graphs", "engine.serving", "engine.speculative",
            "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
            "lab.ouro_code", "lab.harness", "lab.ladder_claims",

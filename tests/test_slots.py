@@ -18,8 +18,8 @@ from conftest import U, clone, drive, prompt, varied_model
 from model import GPTConfig, LoopedLM, fuse_projections
 from ragged import PagePool
 from engine.request import Request
-from serve_depthbatch import Engine
-from serve_depthbatch import EagerRunner, engine_for
+from engine.build import engine_for
+from serve_depthbatch import EagerRunner, Engine
 from engine.slots import SlotRunner
 from engine.slot_pass import SAMPLING, Slots, bucket, run_pass, sampling_kind
 
