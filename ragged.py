@@ -192,10 +192,12 @@ class RaggedSeq:
     def alloc_depth(self, pos, d, pages=None):
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it), or for
         every depth of a slice d (a fixed wave runs them all: pages [len(pos), depths], taken by
-        alloc_wave); pages: already taken from the pool for this sequence. (write_pages refuses a
-        page the sequence does not own; check() verifies that no page is ever held twice or
-        leaked.)"""
+        alloc_wave); pages: already taken from the pool for this sequence. (An entry that holds a
+        page refuses another: that page would leak; write_pages refuses a page the sequence does
+        not own; check() verifies that no page is ever held twice or leaked.)"""
         self._live()
+        if self.real[pos, d].any():
+            raise PageError("a page taken for a depth whose page is held: it would leak")
         if pages is None:
             pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
         self.table[pos, d] = pages
@@ -225,13 +227,16 @@ class RaggedSeq:
         self._give_back(self.table[n:self.n][ahead].tolist())
         self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
 
-    def rewind(self, n):
-        """Positions n.. are taken back though they ran (self-speculative decoding: drafts to verify
-        again, or rejected): their pages go back to the pool, their block evaluations stay counted,
-        and the table ends at n."""
+    def rewind(self, n, depth=0):
+        """Positions n.. are taken back at depths depth+1.. (0-based: depth..) though they ran
+        (self-speculative decoding: drafts to verify again from that depth, or rejected): their pages
+        and aliases there go, the pages to the pool; their block evaluations stay counted; taken back
+        whole (depth 0), the table ends at n."""
         n = min(n, self.n)
-        self.pool.release(self.table[n:self.n][self.real[n:self.n]].tolist(), self)
-        self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
+        self.pool.release(self.table[n:self.n, depth:][self.real[n:self.n, depth:]].tolist(), self)
+        self.table[n:self.n, depth:], self.real[n:self.n, depth:] = -1, False
+        if depth == 0:
+            self.n = n
 
     def _give_back(self, pages):
         """Pages taken and never computed: back to the pool, and off the block evaluations."""

@@ -35,7 +35,7 @@ from engine.rows import Group, RowsView, embed_new, host_lists, pass_logs, read_
 from engine.scheduler import Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
-from engine.speculative import aside, count_passes, next_round
+from engine.speculative import aside, count_passes, keep_drafts, next_round, resume
 from kernels import resolve_impl
 from model import exit_now
 from modes import check_request, n_run, position_rules
@@ -56,6 +56,8 @@ class EagerRunner(Runner):
         self.attn, self.waves, self.head = attn, waves, head
         self.shared = SharedHead(model, max_batch) if head == "shared" and not waves else None
         self.groups = {}                  # Live -> its rows in flight (a Group)
+        # a speculative round with a fixed draft depth: its drafts' states there, by position
+        self.drafted = {}
         # (request, rows, is decode) of the last run's passes, and how many: what a benchmark counts
         self.last_pass, self.last_passes = [], 0
 
@@ -68,8 +70,10 @@ class EagerRunner(Runner):
         g = Group(s, s.done, ctx[s.done:end], taus, full, forced, keep, n_run(r, self.U))
         if s.verifying:                         # a verification: the head on every position
             g.sample_from = s.base()
-        elif end == len(ctx):                   # the newest token: its exit samples the next one
-            g.sample_from = end - 1
+            if s in self.drafted:               # from its drafts' states at the draft depth
+                resume(g, s, self.drafted)
+        elif end == len(ctx) and not (s.drafting() and s.drafted()):
+            g.sample_from = end - 1             # the newest token: its exit samples the next one
         self.groups[s] = g
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
 
@@ -87,6 +91,8 @@ class EagerRunner(Runner):
             return pass_logs([], 1, self._sample(self.shared.take())) if waiting else []
         hn, gate, h_next = self._run_block(groups, pages)    # the block on every row, at its depth
         rows = self._decide_exits(groups, gate, h_next)      # Eq. 4, each row with its τ
+        if any(g.live.req.mode == "speculative" for g in groups):
+            keep_drafts(rows, h_next, self.drafted)
         exited = [(g.live, pos, hn[i]) for g, pos, i, newly, _ in rows
                   if newly and g.sample_from is not None and pos >= g.sample_from]
         if self.shared is not None:
@@ -174,6 +180,7 @@ class EagerRunner(Runner):
 
     def drop(self, s):
         self.groups.pop(s, None)
+        self.drafted.pop(s, None)
         if self.shared is not None:
             self.shared.drop(s)
 

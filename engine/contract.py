@@ -64,6 +64,10 @@ class Live:
         round's verification."""
         return self.req.mode == "speculative" and len(self.req.tokens) > 0 and not self.verifying
 
+    def drafted(self):
+        """Whether its round's drafts are all sampled (rows that run on sample nothing)."""
+        return len(self.drafts) >= self.round_k()
+
     def round_k(self):
         """How many tokens this round drafts: draft_k, fewer near max_tokens (a round emits at most
         one more than it drafts)."""

@@ -46,9 +46,9 @@ class Group:
         """Its rows' exits after a pass (newly: exited now, a list), then advance. Returns its rows'
         entries (group, position, row of the batch, newly exited, stopped)."""
         out = []
-        for i, (k, pos) in enumerate(zip(self.offsets(), self.pos.tolist())):
+        for i, pos in enumerate(self.pos.tolist()):
             if newly[i]:
-                self.exits[k] = self.d + 1
+                self.exits[pos - self.start] = self.d + 1
             out.append((self, pos, self.span.start + i, newly[i], not going[i]))
         self.advance(going, runs_on, h_next, survive, U)
         return out
@@ -77,7 +77,7 @@ def host_lists(groups):
     tau = torch.from_numpy(np.array([g.tau[k] for g, k in rows], dtype=np.float64))
     forced, decided, full, depth, last = torch.from_numpy(np.array(
         [[g.forced[k], g.exits[k], g.full[k], g.d, g.d == g.n_run - 1] for g, k in rows],
-        dtype=np.int64).reshape(-1, 5).T)
+        dtype=np.int64).T)
     return tau, forced, decided, full.bool(), depth, last.bool()
 
 

@@ -22,18 +22,22 @@ p and q are the distributions the sampler draws from (temperature, top-k and top
 same way: engine/request.sample_set), so the output is that of fixed@U under the same settings.
 
 Exactness of the cache: a draft at position j > b read its predecessors' K/V above their draft depth
-through aliases, so its deeper states are not fixed@U's. Verification therefore runs every drafted
-position again from depth 1 (the drafts' pages go back first: RaggedSeq.rewind), and after it the
-positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. Keeping the
-drafts' exact states (depths 1..d) would save k·d row evaluations a round but no pass: the last
-position, never drafted, must still run all U depths. A draft row and a verify chunk are ordinary
-rows of the depth-batched passes (serve_depthbatch.EagerRunner); the host (serve_depthbatch.Engine)
-keeps a round's tokens aside (aside, below) and turns the round with next_round whenever the request
-has no row in flight.
+through aliases, so its deeper states are not fixed@U's; at depths 1..d its reads were exact (every
+earlier draft ran them), so its state at depth d is fixed@U's. With a fixed draft depth d the round
+therefore runs one more row at depth d, at position b+k (x_k, which samples nothing), and the
+verification resumes all k + 1 positions from their states at depth d (keep_drafts, resume, below):
+only their pages and aliases past depth d go back first (RaggedSeq.rewind), and the chunk runs U - d
+passes. Under the gate the drafts exit at depths of their own and a later draft reads aliases from
+the first exit on, so the verification runs every position again from depth 1. After it the
+positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. A draft row
+and a verify chunk are ordinary rows of the depth-batched passes (serve_depthbatch.EagerRunner); the
+host (serve_depthbatch.Engine) keeps a round's tokens aside (aside, below) and turns the round with
+next_round whenever the request has no row in flight.
 """
 import torch
 
 from engine.request import keyed_uniform, sample_set, sample_token, seed_bits
+from model import at_least_fp32
 
 # The noise of a round: a draft is an ordinary draw keyed by (seed, position) (sample_token); the
 # acceptance test's uniform and the replacement's draw have streams of their own, so that no draw is
@@ -82,6 +86,27 @@ def accept(r, base, drafts, verified):
 
 # ----------------------------------------------------------------------------- a round, on the host
 
+def keep_drafts(rows, h_next, kept):
+    """The eager runner's rows after a pass [(group, position, row, newly exited, stopped)]: a draft
+    row that stops at a fixed draft depth d keeps its state there (h_next[row]) in kept[Live]
+    {position: state}: its reads were all exact, so its verification resumes from it."""
+    for g, pos, i, _, stopped in rows:
+        s = g.live
+        if stopped and s.req.draft_depth and s.drafting():
+            kept.setdefault(s, {})[pos] = h_next[i]
+
+
+def resume(g, s, kept):
+    """A verification chunk (engine/rows.Group) resumes from its drafts' states at the draft depth d
+    (keep_drafts; a chunk at a time where the pool is short): its rows run depths d + 1 .. U."""
+    states = kept[s]
+    g.h = torch.stack([states.pop(p) for p in range(g.start, g.start + g.size)])
+    g.survive = torch.ones(g.size, dtype=at_least_fp32(g.h.dtype), device=g.h.device)
+    g.d = s.req.draft_depth
+    if not states:
+        del kept[s]
+
+
 def count_passes(log, stats):
     """A pass's share of the engine's counts: whether a speculative request ran a draft row in it
     (draft_passes) or a verify row (verify_passes)."""
@@ -102,9 +127,10 @@ def aside(s, row):
 def next_round(s, deliver, stats):
     """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):
     once its verification has every position, the round delivers what it keeps (deliver(s, token,
-    logits), the host's) and the positions past them go back; once its drafts are all sampled, the
-    drafted positions go back (their deeper states read aliases) and its verification starts, the
-    k + 1 positions as one chunk to depth U. Returns what was delivered."""
+    logits), the host's) and the positions past them go back; once its drafts are all sampled (and,
+    with a fixed draft depth d, position b+k has run to d too), the drafted positions go back past
+    depth d (their deeper states read aliases) and its verification starts, the k + 1 positions as
+    one chunk from depth d + 1 to U. Returns what was delivered."""
     out = []
     if s.verifying and len(s.verified) == len(s.drafts) + 1:
         base, r = s.base(), s.req
@@ -118,16 +144,18 @@ def next_round(s, deliver, stats):
             if s.ending:                                # a stop id or max_tokens: the rest is dropped
                 break
         rewind(s, base + len(out))
-    if s.drafting() and len(s.drafts) >= s.round_k() and not s.ending:
-        rewind(s, s.base())
+    d = s.req.draft_depth                               # where the verification resumes (0: depth 1)
+    if s.drafting() and s.drafted() and not s.ending and (d == 0 or s.done > s.base() + len(s.drafts)):
+        rewind(s, s.base(), d)
         s.verifying = True
     return out
 
 
-def rewind(s, n):
-    """Positions n.. of a speculative request go back though they ran (drafts to verify, tokens
-    refused): their pages (RaggedSeq.rewind), the exits they decided and the stops still to alias."""
-    s.seq.rewind(n)
+def rewind(s, n, depth=0):
+    """Positions n.. of a speculative request go back, at depths past `depth` (0: whole), though they
+    ran (drafts to verify, tokens refused): their pages (RaggedSeq.rewind), the exits they decided
+    and the stops still to alias."""
+    s.seq.rewind(n, depth)
     s.exits = {p: e for p, e in s.exits.items() if p < n}
     s.stops = [(p, d) for p, d in s.stops if p < n]
     s.done = s.started = n
