@@ -192,12 +192,10 @@ class RaggedSeq:
     def alloc_depth(self, pos, d, pages=None):
         """Give each token in `pos` a fresh page for 0-based depth d (it is about to run it), or for
         every depth of a slice d (a fixed wave runs them all: pages [len(pos), depths], taken by
-        alloc_wave); pages: already taken from the pool for this sequence. (An entry that holds a
-        page refuses another: that page would leak; write_pages refuses a page the sequence does
-        not own; check() verifies that no page is ever held twice or leaked.)"""
+        alloc_wave); pages: already taken from the pool for this sequence. (write_pages refuses a
+        page the sequence does not own; check() verifies that no page is ever held twice or
+        leaked.)"""
         self._live()
-        if self.real[pos, d].any():
-            raise PageError("a page taken for a depth whose page is held: it would leak")
         if pages is None:
             pages = torch.tensor(self.pool.alloc(len(pos), self), dtype=torch.long)
         self.table[pos, d] = pages
