@@ -207,14 +207,15 @@ class RaggedSeq:
         """Tokens in `pos` ran their last depth d (0-based; one for all, or a tensor, one per
         token): deeper rows alias P_{i,d} (Eq. 11). A page taken ahead for a deeper depth (the slot
         runner takes every depth of a position before it runs) was never computed: it goes back."""
-        d = torch.as_tensor(d).reshape(-1).expand(len(pos))
-        deeper = torch.arange(self.U)[None, :] > d[:, None]
-        ahead = self.real[pos] & deeper
-        if ahead.any():
-            self._give_back(self.table[pos][ahead].tolist())
-            self.real[pos] &= ~deeper
-        # Eq. 11: A_d[i] = P_{i, min(d, e_i)}
-        self.table[pos] = torch.where(deeper, self.table[pos].gather(1, d[:, None]), self.table[pos])
+        # token by token, on numpy views of the tables: a step stops a few tokens a request
+        table, real = self.table.numpy(), self.real.numpy()
+        depths = torch.as_tensor(d).reshape(-1).expand(len(pos)).tolist()
+        for i, e in zip(torch.as_tensor(pos).tolist(), depths):
+            ahead = table[i, e + 1:][real[i, e + 1:]]
+            if len(ahead):
+                self._give_back(ahead.tolist())
+                real[i, e + 1:] = False
+            table[i, e + 1:] = table[i, e]                     # Eq. 11: A_d[i] = P_{i, min(d, e_i)}
 
     def trim(self, n):
         """Positions n.. never ran: the pages taken ahead for them go back, and the table ends at n."""
