@@ -227,10 +227,10 @@ class RaggedSeq:
         self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
 
     def rewind(self, n, depth=0):
-        """Positions n.. are taken back at depths depth+1.. (0-based: depth..) though they ran
-        (self-speculative decoding: drafts to verify again from that depth, or rejected): their pages
-        and aliases there go, the pages to the pool; their block evaluations stay counted; taken back
-        whole (depth 0), the table ends at n."""
+        """Positions n.. are taken back from 0-based depth `depth` on, though they ran
+        (self-speculative decoding: drafts to verify again from there, or tokens refused): their
+        pages there go back to the pool and their aliases there go; their block evaluations stay
+        counted. Taken back whole (depth 0), the table ends at n."""
         n = min(n, self.n)
         self.pool.release(self.table[n:self.n, depth:][self.real[n:self.n, depth:]].tolist(), self)
         self.table[n:self.n, depth:], self.real[n:self.n, depth:] = -1, False

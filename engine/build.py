@@ -1,7 +1,7 @@
 """
-The one entry point of sample.py, server.py and lab/: the engine for this device, with the runner that
-applies its block (serve_depthbatch.EagerRunner, the reference, or engine/slots.py's SlotRunner, the
-same pass as CUDA graphs) and the head policy that runner serves best.
+The one entry point of sample.py, server.py and lab/: the engine for this device, with the runner
+that applies its block (serve_depthbatch.EagerRunner, the reference, or engine/slots.py's
+SlotRunner, the same pass as CUDA graphs) and the head policy that runner serves best.
 """
 from configurator import UserError
 from engine.graphs import can_capture

@@ -20,9 +20,9 @@ STATS = {"passes": "passes in which a row ran", "rows": "rows run (a token at a 
          "preemptions": "requests preempted", "replayed_rows": "rows run again by a replay",
          "max_in_flight": "the most requests running at once", "head_calls": "LM-head calls",
          "head_rows": "tokens delivered", "finished": "requests ended",
-         "draft_passes": "passes with a speculative draft row", "verify_passes": "passes with a verify row",
-         "verifies": "speculative rounds verified", "drafted": "tokens drafted",
-         "accepted": "drafts kept"}
+         "draft_passes": "passes with a speculative draft row",
+         "verify_passes": "passes with a verify row", "verifies": "speculative rounds verified",
+         "drafted": "tokens drafted", "accepted": "drafts kept"}
 
 
 class Live:

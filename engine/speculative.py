@@ -145,7 +145,8 @@ def next_round(s, deliver, stats):
                 break
         rewind(s, base + len(out))
     d = s.req.draft_depth                               # where the verification resumes (0: depth 1)
-    if s.drafting() and s.drafted() and not s.ending and (d == 0 or s.done > s.base() + len(s.drafts)):
+    last_ran = d == 0 or s.done > s.base() + len(s.drafts)         # position b+k, at a fixed d
+    if s.drafting() and s.drafted() and not s.ending and last_ran:
         rewind(s, s.base(), d)
         s.verifying = True
     return out
