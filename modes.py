@@ -163,9 +163,9 @@ def position_rules(r, start, end, draft_from=None):
         forced.append(r.exits[p] if p < len(r.exits) else 0)
         keep.append(keep_rule)
     if draft_from is not None:            # a speculative round's drafts (engine/speculative.py)
-        tau, exit = draft_rule(r)
+        tau, draft_exit = draft_rule(r)
         for i in range(max(draft_from, start) - start, end - start):
-            taus[i], full[i], forced[i] = tau, False, exit
+            taus[i], full[i], forced[i] = tau, False, draft_exit
     return taus, full, forced, keep
 
 
@@ -175,9 +175,9 @@ def decode_rule(r):
     return (FULL if rule.exit == "never" else r.thr), rule.run_full
 
 
-def keeps_one_depth(r):
+def keeps_one_depth(mode):
     """Table 17 baselines: their prompt runs whole and their tokens one at a time, as defined."""
-    return MODES[r.mode].prompt.keep is not None or MODES[r.mode].decode.keep is not None
+    return MODES[mode].prompt.keep is not None or MODES[mode].decode.keep is not None
 
 
 # ---------------------------------------------------------------------------- teacher-forced scores

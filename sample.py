@@ -205,8 +205,7 @@ def sample_engine(c, model, ids, mode):
         return engine_for(model, pages, max_batch=c["num_samples"],
                           max_rows=c["num_samples"] * len(ids),
                           attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                          runner="eager" if mode == "speculative" and c["runner"] == "auto"
-                          else c["runner"],
+                          runner=c["runner"], modes=[mode],
                           sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])]), pages
     except UserError as e:
         if e.field != "kv_pages" or c["kv_pages"]:

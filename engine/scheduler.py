@@ -34,7 +34,7 @@ def chunk_end(s, budget):
     n, start, avail = len(s.req.prompt), s.done, s.runnable()
     if start >= avail:
         return None
-    if keeps_one_depth(s.req):
+    if keeps_one_depth(s.req.mode):
         return n if start < n else start + 1
     if start == avail - 1 or s.verifying:
         return avail                    # one decode token, or a verification: always runs
@@ -48,7 +48,7 @@ def fit_chunk(s, end, free, U):
     if (end - s.done) * depths <= free:
         return end
     end = s.done + max(free // depths, 0)
-    return None if end <= s.done or keeps_one_depth(s.req) else end
+    return None if end <= s.done or keeps_one_depth(s.req.mode) else end
 
 
 def dry_pool(r, pool, U):

@@ -44,6 +44,13 @@ from engine.request import seed_bits
 from engine.slot_pass import LOG, ROWS, SAMPLING, Download, Slots, Upload, bucket, run_pass, sampling_kind
 
 
+def runs_mode(mode):
+    """Whether the slot runner runs a mode: not a speculative round (its drafts and verification are
+    turned on the host between passes) nor a Table 17 cache (its tokens one at a time, as defined);
+    those run on the eager runner (engine/build.engine_for picks it for them)."""
+    return mode != "speculative" and not keeps_one_depth(mode)
+
+
 # --------------------------------------------------------------------- passes a request still needs
 # The runner launches passes before it reads what earlier ones did: how many passes a request's
 # remaining tokens may take, with `pending` passes run but not read yet.
@@ -168,15 +175,13 @@ class SlotRunner(Runner):
     # --------------------------------------------------------- the contract: what differs by design
 
     def refuse(self, r):
-        """What the eager runner alone runs: the Table 17 caches; more stop ids than the slots hold;
+        """What the eager runner alone runs: runs_mode's modes; more stop ids than the slots hold;
         logits kept without keep_logits (UserError, nothing queued)."""
         st = self.slots
-        if r.mode == "speculative":
-            raise UserError("mode=speculative: its drafts and verifications run on the eager runner "
-                            "(--runner=eager)", "mode")
-        if keeps_one_depth(r):
-            raise UserError(f"mode={r.mode}: the Table 17 caches run on the eager runner "
-                            "(--runner=eager)", "mode")
+        if not runs_mode(r.mode):
+            what = ("its drafts and verifications" if r.mode == "speculative" else
+                    "the Table 17 caches")
+            raise UserError(f"mode={r.mode}: {what} run on the eager runner (--runner=eager)", "mode")
         if len(r.stop) > st.stop_ids.shape[1]:
             raise UserError(f"stop: {len(r.stop)} stop ids; this runner takes at most "
                             f"{st.stop_ids.shape[1]}", "stop")

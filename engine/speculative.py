@@ -38,6 +38,7 @@ import torch
 
 from engine.request import keyed_uniform, sample_set, sample_token, seed_bits
 from model import at_least_fp32
+from modes import draft_rule
 
 # The noise of a round: a draft is an ordinary draw keyed by (seed, position) (sample_token); the
 # acceptance test's uniform and the replacement's draw have streams of their own, so that no draw is
@@ -76,7 +77,8 @@ def accept(r, base, drafts, verified):
                 return out + [(y, p_logits)]
         else:
             p, q = probs(p_logits, r), probs(q_logits, r).to(p_logits.device)
-            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):           # refused: probability 1 - min(1, p/q)
+            # refused with probability 1 - min(1, p(x)/q(x))
+            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):
                 rest = (p - q).clamp(min=0)
                 return out + [(draw(rest / rest.sum() if rest.sum() > 0 else p, r, base + i),
                                p_logits)]
@@ -86,13 +88,20 @@ def accept(r, base, drafts, verified):
 
 # ----------------------------------------------------------------------------- a round, on the host
 
+def resume_depth(r):
+    """The depth a verification resumes from: a fixed draft depth d (every draft's reads up to d
+    were exact), or 0 under the gate (a later draft read aliases from the first exit on: depth 1
+    again). It is the draft's forced exit (modes.draft_rule)."""
+    return draft_rule(r)[1]
+
+
 def keep_drafts(rows, h_next, kept):
     """The eager runner's rows after a pass [(group, position, row, newly exited, stopped)]: a draft
     row that stops at a fixed draft depth d keeps its state there (h_next[row]) in kept[Live]
     {position: state}: its reads were all exact, so its verification resumes from it."""
     for g, pos, i, _, stopped in rows:
         s = g.live
-        if stopped and s.req.draft_depth and s.drafting():
+        if stopped and resume_depth(s.req) and s.drafting():
             kept.setdefault(s, {})[pos] = h_next[i]
 
 
@@ -102,7 +111,7 @@ def resume(g, s, kept):
     states = kept[s]
     g.h = torch.stack([states.pop(p) for p in range(g.start, g.start + g.size)])
     g.survive = torch.ones(g.size, dtype=at_least_fp32(g.h.dtype), device=g.h.device)
-    g.d = s.req.draft_depth
+    g.d = resume_depth(s.req)
     if not states:
         del kept[s]
 
@@ -120,9 +129,12 @@ def aside(s, row):
     a draft, or the full-depth result of a verified position. Returns whether it was kept aside."""
     if s.drafting():
         s.drafts.append((row.tok, row.logits))
-    elif s.verifying:
+        return True
+    if s.verifying:
         s.verified[row.pos] = (row.tok, row.logits)
-    return s.drafting() or s.verifying
+        return True
+    return False
+
 
 def next_round(s, deliver, stats):
     """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):
@@ -144,7 +156,7 @@ def next_round(s, deliver, stats):
             if s.ending:                                # a stop id or max_tokens: the rest is dropped
                 break
         rewind(s, base + len(out))
-    d = s.req.draft_depth                               # where the verification resumes (0: depth 1)
+    d = resume_depth(s.req)
     last_ran = d == 0 or s.done > s.base() + len(s.drafts)         # position b+k, at a fixed d
     if s.drafting() and s.drafted() and not s.ending and last_ran:
         rewind(s, s.base(), d)

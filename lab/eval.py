@@ -207,7 +207,7 @@ def generation_engine(model, c, mode):
     mode."""
     return engine_for(model, pool_pages(model, c["kv_pages"], 0, c["max_batch"]), c["max_batch"],
                       attn=c["attn"], head=c["head"], scheduler=scheduler_for(mode),
-                      runner="eager" if mode == "speculative" and c["runner"] == "auto" else c["runner"],
+                      runner=c["runner"], modes=[mode],
                       sampling=[draw_kind(c["temperature"], c["top_k"], c["top_p"])])
 
 

@@ -354,7 +354,7 @@ def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_
     from lab import eval as eval_script
     import sample
     import server
-    from checkpoint import export_ouro, model_args, save_checkpoint
+    from checkpoint import export_ouro, load_checkpoint, model_args, save_checkpoint
     from tokenizer import char_meta
     meta = char_meta(sorted(set("abcdefghij =?;\n")))
     model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], block_size=64, n_layer=2, n_head=4, n_kv_head=2,
@@ -377,6 +377,15 @@ def test_the_scripts_capture_a_loaded_checkpoint_as_a_gpu_would(tmp_path, stand_
         before = stand_in_graphs.captures
         assert sample_tokens(folder, "slots") == sample_tokens(folder, "eager")
         assert stand_in_graphs.captures > before and stand_in_graphs.replays > 0
+    # runner "auto" where graphs capture: the eager runner for a mode the slot runner leaves to it
+    for mode in ("speculative", "last_kv"):
+        assert type(engine_for(load_checkpoint(str(ckpt))[0], 64, modes=["ete_ragged", mode]).runner) is EagerRunner
+        before = stand_in_graphs.captures
+        outs = []
+        for engine in ("auto", "eager"):
+            sample.main(["--ckpt", str(ckpt), f"--runner={engine}", f"--mode={mode}"] + args)
+            outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["samples"][0]["text"])
+        assert outs[0] == outs[1] and stand_in_graphs.captures == before
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps({"prompt": p, "answer": "x", "type": "gen", "extract": "prefix"}) + "\n"
                              for p in ("ab = c;", "ij = ?")))
