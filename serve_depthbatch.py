@@ -7,25 +7,17 @@ host loop that feeds it (Engine).
     done = engine.run([Request(prompt_ids, max_tokens=32, mode="dense_ragged", thr=0.5)])
 
 All loops share one set of weights, so tokens at different depths can go through the block in one
-batch. A *row* is one token of one request at one depth, with its own position, page-table column and
-K/V page. Each step applies the block once to every row in flight, whatever its depth: a row that
-exits (Eq. 4, with its request's τ) has its token sampled at once, and its request's next token joins
-at depth 1 on the next step. Every pass is useful work, so passes approach the work-conserving bound
-Σ e_i / B. (The paper's nested runner kept a wave in the loop until all of it had exited:
-`--scheduler=nested`; Ouro's way runs every token all U loops: `--scheduler=fixed`. Both are kept as
-baselines.)
+batch. A *row* is one token of one request at one depth. Each step applies the block once to every
+row in flight, whatever its depth: a row that exits (Eq. 4, with its request's τ) has its token
+sampled at once, and its request's next token joins at depth 1 on the next step. Every pass is useful
+work, so passes approach the work-conserving bound Σ e_i / B (Ouro's way, every token all U loops, is
+kept as `--scheduler=fixed`; the paper's nested waves as `--scheduler=nested`).
 
 Memory is capacity. One PagePool holds every request's pages; a RaggedSeq per request maps (position,
 depth) to pages, deeper entries aliasing a token's terminal page (Eq. 11), so a request holds Σ e_i
-pages (Eq. 12), each taken only for the depth a row runs. When the pool runs dry, the newest request
-is preempted (beyond the paper): its pages are freed, and on its return a replay runs each position to
-the exit it had, so it continues exactly as it would have.
-
-Beyond the paper, in engine/ (a second sitting, the GPU path): the slot runner (engine/slots.py), the
-queue (engine/scheduler.py), the shared LM head, the runner contract (engine/contract.py), and
-engine_for (engine/build.py), the entry point of sample.py, server.py and lab/.
+pages (Eq. 12). When the pool runs dry the newest request is preempted (beyond the paper), and
+replayed to the exits it had on its return. The rest is in engine/ (a second sitting, the GPU path).
 """
-import numpy as np
 import torch
 
 from configurator import UserError
@@ -44,12 +36,10 @@ from ragged import PagePool, RaggedSeq, alloc_wave, check_pool
 # ----------------------------------------------------------------------------- one pass
 
 class EagerRunner(Runner):
-    """The reference runner. A request's rows in flight are a Group (engine/rows.py) on the host. A
-    pass takes a fresh page for every row at the depth it runs, applies the block to every row (each
-    reads its request's table column at its own depth: Eq. 7 through Eq. 11), decides the exits
-    (Eq. 4) and samples the rows that exited. waves: the fixed scheduler's waves, every row all its
-    depths in one run, as Ouro's code runs its loops. head="shared": exited rows may wait to share a
-    head call (engine/shared_head.py)."""
+    """The reference runner: a request's rows in flight are a Group (engine/rows.py). A pass takes a
+    fresh page for every row, applies the block to every row at its own depth (Eq. 7 through Eq. 11),
+    decides the exits (Eq. 4) and samples the rows that exited. waves: the fixed scheduler's, every
+    row all its depths in one run, as Ouro's code runs its loops; head="shared": engine/shared_head.py."""
 
     def __init__(self, model, pool, stats, attn="torch", head="eager", waves=False, max_batch=32):
         super().__init__(model, pool, stats)
@@ -77,10 +67,13 @@ class EagerRunner(Runner):
         self.groups[s] = g
         self.stats["replayed_rows"] += sum(1 for f in forced if f)
 
+    def depths(self, g):
+        """The depths a group's rows run in the next run: the next one (a wave: every one to come)."""
+        return range(g.d, g.n_run if self.waves else g.d + 1)
+
     def plan(self, running, queued):
-        """A page for every row at the depth it runs next (a wave's rows: every depth to come)."""
-        depths = lambda g: g.n_run - g.d if self.waves else 1
-        return {s: len(self.groups[s].pos) * depths(self.groups[s]) for s in running if s in self.groups}
+        """A page for every row at every depth it runs next."""
+        return {s: len(g.pos) * len(self.depths(g)) for s, g in self.groups.items()}
 
     def run(self, running, queued):
         """One pass of the block over every row in flight, whatever its depth (App. A.2; a fixed
@@ -106,14 +99,11 @@ class EagerRunner(Runner):
         return pass_logs(rows, len(pages), tokens)
 
     def _allocate(self, running):
-        """A page for every row at its depth (the host has made room: plan), oldest request first,
-        taken in one piece (ragged.alloc_wave), so that a batch that starts together reads them in
-        place. Returns the groups, sorted (those read as rows, decode tokens, first, by position,
-        as the padded attention tables want them), each with its rows of the batch (Group.span), and
-        the pages of every pass, one tensor per pass."""
-        out = [(self.groups[s], range(self.groups[s].d, self.groups[s].n_run if self.waves
-                                      else self.groups[s].d + 1))
-               for s in running if s in self.groups]
+        """A page for every row at its depths (the host has made room: plan), taken in one piece
+        (ragged.alloc_wave) so that a batch that starts together reads them in place. Returns the
+        groups, decode tokens first by position (as the padded attention tables want them), each with
+        its rows of the batch (Group.span), and the pages of each pass."""
+        out = [(self.groups[s], self.depths(self.groups[s])) for s in running if s in self.groups]
         pages = alloc_wave(self.pool, [(g.live.seq, g.pos, depths) for g, depths in out])
         batch = sorted(zip([g for g, _ in out], pages),
                        key=lambda gp: (not read_as_rows(gp[0]), gp[0].pos.tolist()[-1]))
@@ -191,13 +181,11 @@ class EagerRunner(Runner):
 # ----------------------------------------------------------------------------- the host
 
 class Engine:
-    """The host: admission and prompt chunks (engine/scheduler.py), the page budget and preemption
-    (the one place that evicts), the exits each position decided, token delivery, endings,
-    cancellation and checks, over a runner: "eager" (EagerRunner, the reference) or "slots"
-    (engine/slots.py, the same pass as CUDA graphs), with its options. Call add() and step() from one
-    thread (server.py runs them on an engine thread); Request.cancelled may be set from anywhere.
-    It holds a request from add() to its end, then lets go of it (its caller keeps what it needs),
-    so that its memory is bounded by what is in flight. stats counts what it did (STATS)."""
+    """The host: admission and chunks (engine/scheduler.py), the page budget and preemption (the one
+    place that evicts), the exits decided, token delivery, endings and checks, over a runner: "eager"
+    (EagerRunner) or "slots" (engine/slots.py, the same pass as CUDA graphs). Call add() and step()
+    from one thread; Request.cancelled may be set from anywhere. A request is held from add() to its
+    end only (its caller keeps it). stats counts what it did (engine/contract.STATS)."""
 
     def __init__(self, model, kv_pages, max_batch=32, max_rows=256, scheduler="continuous",
                  attn="auto", head="eager", runner="eager", **options):
@@ -222,8 +210,7 @@ class Engine:
                                       max_batch, **options)
 
     def add(self, r):
-        """Queue a request after checking it. Raises UserError (nothing queued) if it is malformed,
-        could never fit in the whole pool, or asks for what this engine's runner leaves to another."""
+        """Queue a request after checking it (check_request: nothing is queued if it fails)."""
         self.scheduler.shape(r)                  # the fixed scheduler runs every request as fixed
         self.check_request(r)
         self.scheduler.waiting.append(Live(r, self.next_id))
@@ -231,6 +218,7 @@ class Engine:
         return r
 
     def check_request(self, r):
+        """UserError if r is malformed, could never fit in the pool or its runner leaves it to another."""
         check_request(r, self.model.config, self.pool.n_pages)
         self.runner.refuse(r)
 
@@ -311,7 +299,7 @@ class Engine:
                     s.rows -= 1
                     stopped.add(s)
                 if row.tok >= 0 and not s.req.cancelled and not aside(s, row):  # a round's: aside
-                    sampled.append(self._deliver(s, row.tok, row.logits))
+                    sampled.append(s.deliver(row.tok, row.logits))
                 if row.go:                   # its positions so far are done; the next runs in its place
                     s.rows, s.done, s.started = s.rows + 1, row.pos + 1, row.pos + 2
                 touched.add(s)
@@ -322,21 +310,8 @@ class Engine:
         for s in stopped:
             if s.seq is not None:
                 self._alias(s)
+        self.stats["head_rows"] += len(sampled)
         return sampled
-
-    def _deliver(self, s, tok, logits):
-        """A sampled token to its request: callbacks, and its end (max_tokens or a stop id)."""
-        r = s.req
-        if r.keep_logits:
-            r.logits.append(logits)
-        r.tokens.append(tok)
-        self.stats["head_rows"] += 1
-        if r.on_token is not None:
-            r.on_token(r, tok)
-        if len(r.tokens) >= r.max_tokens or tok in r.stop:
-            s.ending = True
-            r.finish_reason = "stop" if tok in r.stop else "length"
-        return r, tok
 
     def _settle(self, s):
         """A request whose rows have all finished has done its positions: their exits join req.exits
@@ -348,12 +323,8 @@ class Engine:
         if s.rows == 0:
             s.done = s.started
             if r.mode == "speculative":
-                out = next_round(s, self._deliver, self.stats)
-        while len(r.exits) < s.settled():
-            e = s.exits.pop(len(r.exits))
-            if len(r.exits) >= len(r.prompt):
-                s.decode_depths = [s.decode_depths[0] + e, s.decode_depths[1] + 1]
-            r.exits.append(e)
+                out = next_round(s, self.stats)
+        s.settle_exits()
         if s.rows == 0 and s.ending and s.done >= s.runnable():
             self._finish(s, r.finish_reason)
         elif r.cancelled:
@@ -364,8 +335,7 @@ class Engine:
         """Eq. 11 on the request's table for its rows that stopped: their deeper entries alias the
         page of the depth they stopped at (RaggedSeq.stop)."""
         if s.stops:
-            pos, depth = torch.from_numpy(np.array(s.stops, dtype=np.int64).T)
-            s.seq.stop(pos, depth)
+            s.seq.stop(*zip(*s.stops))
             s.stops = []
 
     # ------------------------------------------------------------------ preemption and endings
@@ -385,17 +355,11 @@ class Engine:
         self.stats["preemptions"] += 1
 
     def _release(self, s):
-        """s lets go of its pages: Eq. 11 for its last stops, the runner forgets it, the pages taken
-        ahead for positions that never ran go back (so its accounting counts what ran), then all.
-        Returns that accounting."""
+        """s lets go of its pages (Live.release) after Eq. 11 for its last stops; the runner forgets
+        it. Returns its page accounting."""
         self._alias(s)
         self.runner.drop(s)
-        s.seq.trim(s.started)
-        kv = s.seq.stats()
-        s.evals_before += kv["block_evals"]
-        s.seq.release()
-        s.seq = None
-        return kv
+        return s.release()
 
     def _finish(self, s, reason, error=None):
         r = s.req

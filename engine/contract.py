@@ -77,6 +77,40 @@ class Live:
         """The last position that runs: that of the token before the final one (which never runs)."""
         return len(self.req.prompt) + self.req.max_tokens - 2
 
+    def deliver(self, tok, logits):
+        """A sampled token to its request: kept, its callback called, and its end decided (max_tokens
+        or a stop id: it ends once its rows have finished). Returns (request, token)."""
+        r = self.req
+        if r.keep_logits:
+            r.logits.append(logits)
+        r.tokens.append(tok)
+        if r.on_token is not None:
+            r.on_token(r, tok)
+        if len(r.tokens) >= r.max_tokens or tok in r.stop:
+            self.ending = True
+            r.finish_reason = "stop" if tok in r.stop else "length"
+        return r, tok
+
+    def settle_exits(self):
+        """The exits of its positions now final join req.exits, in order (the decode ones counted in
+        decode_depths for the shared head's cost model)."""
+        r = self.req
+        while len(r.exits) < self.settled():
+            e = self.exits.pop(len(r.exits))
+            if len(r.exits) >= len(r.prompt):
+                self.decode_depths = [self.decode_depths[0] + e, self.decode_depths[1] + 1]
+            r.exits.append(e)
+
+    def release(self):
+        """Its pages go back: those taken ahead for positions that never ran first (so its accounting
+        counts what ran), then all. Returns that accounting (RaggedSeq.stats)."""
+        self.seq.trim(self.started)
+        kv = self.seq.stats()
+        self.evals_before += kv["block_evals"]
+        self.seq.release()
+        self.seq = None
+        return kv
+
     def preempted(self):
         """Back in the queue: its pages and rows are gone; req.exits stay, replayed on its return."""
         self.seq = None

@@ -136,13 +136,13 @@ def aside(s, row):
     return False
 
 
-def next_round(s, deliver, stats):
+def next_round(s, stats):
     """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):
-    once its verification has every position, the round delivers what it keeps (deliver(s, token,
-    logits), the host's) and the positions past them go back; once its drafts are all sampled (and,
-    with a fixed draft depth d, position b+k has run to d too), the drafted positions go back past
-    depth d (their deeper states read aliases) and its verification starts, the k + 1 positions as
-    one chunk from depth d + 1 to U. Returns what was delivered."""
+    once its verification has every position, the round delivers what it keeps (Live.deliver) and
+    the positions past them go back; once its drafts are all sampled (and, with a fixed draft depth
+    d, position b+k has run to d too), the drafted positions go back past depth d (their deeper
+    states read aliases) and its verification starts, the k + 1 positions as one chunk from depth
+    d + 1 to U. Returns what was delivered."""
     out = []
     if s.verifying and len(s.verified) == len(s.drafts) + 1:
         base, r = s.base(), s.req
@@ -152,7 +152,7 @@ def next_round(s, deliver, stats):
         stats["accepted"] += len(kept) - 1
         s.drafts, s.verified, s.verifying = [], {}, False
         for tok, logits in kept:
-            out.append(deliver(s, tok, logits))
+            out.append(s.deliver(tok, logits))
             if s.ending:                                # a stop id or max_tokens: the rest is dropped
                 break
         rewind(s, base + len(out))
