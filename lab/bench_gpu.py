@@ -351,8 +351,10 @@ def arrivals(runner, requests, rate, seed):
     """A server's workload: the requests arriving at `rate` a second (a Poisson process: exponential
     gaps, seeded), each added to the engine when its time comes, the engine stepping in between (and
     waiting for the next arrival when it has nothing to do). Per request, as its client sees the
-    tokens come: the time from its arrival to its first token (TTFT) and between its tokens (TBT);
-    their p50 and p99, and the passes launched and with rows."""
+    tokens come: the time from its arrival to its first token (TTFT) and between its tokens as
+    delivered (TBT: a step's passes are read and delivered together, so tokens come in bursts);
+    beside them what decoding takes, the time a step that launched passes spans on the device
+    (step_span); the p50 and p99 of each, and the passes launched and with rows."""
     rng, t, times = random.Random(seed), 0.0, []
     for _ in requests:
         t += rng.expovariate(rate)
@@ -362,16 +364,22 @@ def arrivals(runner, requests, rate, seed):
     reqs = [Request(r.prompt, r.max_tokens, r.mode, r.thr, on_token=on_token) for r in requests]
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     sync()
-    start, i = time.perf_counter(), 0
+    start, i, spans = time.perf_counter(), 0, []
+    launched = lambda: runner.stats.get("launched", runner.stats["passes"])
     while i < len(reqs) or runner.busy():
         now = time.perf_counter() - start
         while i < len(reqs) and times[i] <= now:
             runner.add(reqs[i])
             i += 1
         if runner.busy():
-            runner.step()
+            n = launched()
+            span = step_span(runner)
+            if launched() > n:
+                spans.append(span)
         elif i < len(reqs):
             time.sleep(times[i] - now)
+    sync()
+    steps = [s if isinstance(s, float) else s[0].elapsed_time(s[1]) / 1e3 for s in spans]
     assert all(r.finish_reason == "length" for r in reqs), [r.error for r in reqs]
     ttft = [seen[id(r)][0] - start - a for r, a in zip(reqs, times)]
     tbt = [b - a for r in reqs for a, b in zip(seen[id(r)], seen[id(r)][1:])]
@@ -379,9 +387,26 @@ def arrivals(runner, requests, rate, seed):
     return dict(requests=len(reqs), rate=round(rate, 3),
                 seconds=round(time.perf_counter() - start, 4),
                 ttft_ms_p50=q(ttft, 0.5), ttft_ms_p99=q(ttft, 0.99), tbt_ms_p50=q(tbt, 0.5),
-                tbt_ms_p99=q(tbt, 0.99), passes=runner.stats["passes"] - before["passes"],
+                tbt_ms_p99=q(tbt, 0.99), step_ms_p50=q(steps, 0.5), step_ms_p99=q(steps, 0.99),
+                steps=len(steps), passes=runner.stats["passes"] - before["passes"],
                 passes_launched=runner.stats.get("launched", runner.stats["passes"]) - before.get(
                     "launched", before["passes"]))
+
+
+def step_span(engine):
+    """One engine step, and the time it spans on the device: two CUDA events recorded on the
+    device's stream around its launches, read once the run is over (so nothing waits for them), or
+    on a CPU, where the host runs the passes, its wall time in seconds."""
+    if engine.device.type != "cuda":
+        t = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t
+    with torch.cuda.device(engine.device):
+        marks = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks[0].record()
+        engine.step()
+        marks[1].record()
+    return marks
 
 
 def server_start(model):
@@ -545,7 +570,8 @@ def print_gpu(runs, checks, counted, arrived=()):
         print(f"arrivals, batch {a['batch']} {a['mode']:<13} at {a['share']:.0%} of "
               f"{a['capacity_req_s']:.2f} req/s: TTFT p50 {a['ttft_ms_p50']:.2f} / p99 "
               f"{a['ttft_ms_p99']:.2f} ms, TBT p50 {a['tbt_ms_p50']:.2f} / p99 "
-              f"{a['tbt_ms_p99']:.2f} ms; passes launched {a['passes_launched']} "
+              f"{a['tbt_ms_p99']:.2f} ms as delivered; a step on the device p50 "
+              f"{a['step_ms_p50']:.2f} / p99 {a['step_ms_p99']:.2f} ms; passes launched {a['passes_launched']} "
               f"for {a['passes']} with rows", file=err)
     for ch in checks:
         print(f"check, batch {ch['batch']}: {ch['check']}: {ch.get('agree', ch.get('equal'))}", file=err)

@@ -1,5 +1,6 @@
 """The benchmarks' own logic: the engine benchmark's pass counting against the work-conserving bound,
 its JSON line, and the level turns that keep its timing fair. (Timings are never asserted.)"""
+import contextlib
 import json
 import random
 import sys
@@ -270,12 +271,37 @@ def test_the_gpu_bench_runs_its_code_on_a_cpu(tmp_path, capsys, monkeypatch):
                             for s in bench_gpu.ARRIVAL_SHARES}
     for a in arrived.values():        # each client's latencies: the first token after its arrival, ordered quantiles
         assert 0 < a["ttft_ms_p50"] <= a["ttft_ms_p99"] and 0 <= a["tbt_ms_p50"] <= a["tbt_ms_p99"]
+        assert 0 < a["step_ms_p50"] <= a["step_ms_p99"] and 0 < a["steps"] <= a["passes_launched"]
         assert a["requests"] == 4 * a["batch"] and abs(a["rate"] / a["capacity_req_s"] - a["share"]) < 1e-2
     assert out["server_engine_start"]["seconds"] >= 0 and out["server_engine_start"]["runner"] == "EagerRunner"
     prompts = torch.randint(0, 512, (4, bench_gpu.N_PROMPT)).tolist()
     model = bench_gpu.ouro_shape_model("tiny", "cpu", int(torch.randint(0, 1000, ())), prompts)
     gates = model(torch.tensor(prompts))["gate_logits"]
     assert abs(float(threshold_exit(gates, bench_gpu.THR).float().mean()) - bench_gpu.TARGET_DEPTH) < 0.1
+
+
+def test_a_steps_device_span_is_two_events_around_its_launches(monkeypatch):
+    """On a GPU, step_span records one event on the engine's device before its step and one after,
+    in that order, and hands both back unread (the bench reads them once the run is over): the CUDA
+    event and device API stood in, the step a counter."""
+    from lab import bench_gpu
+    trail = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+        def record(self):
+            trail.append(("record", self))
+
+    class OnGPU:
+        device = torch.device("cuda", 1)
+        def step(self):
+            trail.append(("step", None))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: trail.append(("device", d)) or contextlib.nullcontext())
+    marks = bench_gpu.step_span(OnGPU())
+    assert trail == [("device", OnGPU.device), ("record", marks[0]), ("step", None), ("record", marks[1])]
 
 
 def test_the_speculative_bench_checks_its_tokens_and_counts(tmp_path, capsys):
