@@ -15,6 +15,7 @@ Read top to bottom: the buffers, the host's writes into them (one copy a step: U
 of them (Download); the pass, in its phases. engine/graphs.py compiles it and captures it as CUDA
 graphs.
 """
+import numpy as np
 import torch
 
 from kernels import paged_attention_table
@@ -90,9 +91,9 @@ class Upload:
     write is a buffer, the flat positions of what it sets and their values; send() packs a step's
     writes into a host buffer (pinned on CUDA; two, used in turn, so that the host fills one while a
     copy from the other may still be queued), copies it to the device without waiting, and scatters
-    each write there, in the order written (one index_put each), then permutes the rows if the host
-    compacted them. Values travel as int64: floats as the bits of their float64, flags as 0 and
-    1."""
+    the writes there, one index_put a buffer written (where a step sets an element twice, the later
+    value only: last_wins), then permutes the rows if the host compacted them. Values travel as
+    int64: floats as the bits of their float64, flags as 0 and 1."""
 
     def __init__(self, device):
         self.device, self.parts, self.where = device, [], {}
@@ -113,7 +114,13 @@ class Upload:
         """The step's writes, in one host-to-device copy; then `rows` (buffers of one row each) permuted."""
         if not self.parts and perm is None:
             return
-        pieces = [t for _, index, bits in self.parts for t in (index, bits)] + ([perm] if perm is not None else [])
+        writes = {}                                  # a buffer's writes together: one scatter each
+        for buf, index, bits in self.parts:
+            _, ix, bs = writes.setdefault(id(buf), (buf, [], []))
+            ix.append(index)
+            bs.append(bits)
+        writes = [(buf, *last_wins(ix, bs)) for buf, ix, bs in writes.values()]
+        pieces = [t for _, index, bits in writes for t in (index, bits)] + ([perm] if perm is not None else [])
         flat = torch.cat(pieces)
         n = len(flat)
         self.flip = 1 - self.flip
@@ -128,7 +135,7 @@ class Upload:
         host[:n] = flat
         self.dev[:n].copy_(host[:n], non_blocking=True)              # the step's one copy
         at = 0
-        for buf, index, bits in self.parts:
+        for buf, index, bits in writes:
             k = len(index)
             idx, vals = self.dev[at:at + k], self.dev[at + k:at + 2 * k]
             vals = vals.view(torch.float64).to(buf.dtype) if buf.is_floating_point() else vals.to(buf.dtype)
@@ -139,6 +146,20 @@ class Upload:
             for buf in rows:
                 buf.copy_(buf[p])
         self.parts = []
+
+
+def last_wins(indices, values):
+    """A buffer's writes of a step [flat positions], [values] as one scatter that sets what writing
+    them in order would: where an element is set twice (a slot admitted and freed in one step), the
+    later value only (a scatter of a repeated position may keep either, on CUDA)."""
+    index, value = torch.cat(indices), torch.cat(values)
+    if len(indices) == 1:
+        return index, value
+    _, last = np.unique(index.numpy()[::-1], return_index=True)     # each position's last write
+    if len(last) == len(index):
+        return index, value
+    keep = torch.from_numpy(len(index) - 1 - last)
+    return index[keep], value[keep]
 
 
 class Download:

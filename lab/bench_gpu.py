@@ -550,7 +550,8 @@ def print_gpu(runs, checks, counted, arrived=()):
               "the passes read with "
               f"none behind them, host {h['host_ms_per_pass']:.3f} ms a pass, "
               f"{h['launches_outside_graphs_per_step']} "
-              f"launches outside the graphs a step; passes launched {h['passes_launched']} for "
+              f"launches outside the graphs a step ({h['launches_admitting']} in the one that admits "
+              f"the batch); passes launched {h['passes_launched']} for "
               f"{h['passes_with_rows']} with rows", file=err)
     print(f"{'work':<6}{'batch':>5} "
           f"{'mode':<13}{'graphs':<7}{'tok/s':>9}{'passes':>7}{'Σ e':>7}{'pass ms':>9}"

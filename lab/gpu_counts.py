@@ -186,7 +186,8 @@ class HostTraffic(TorchFunctionMode):
 def host_counts(model, work, max_batch, max_rows, scheduler="continuous", graphs=False):
     """The slot runner serving `work` (requests, all waiting at the start): per step the
     host-to-device copies, syncs (HostTraffic, and the log reads that wait for the device) and
-    launches outside the graphs, the most of a steady decode step (every request admitted and past
+    launches outside the graphs (and those of the first step, which admits a batch: every request
+    waits at the start), the most of a steady decode step (every request admitted and past
     its prompt, none leaving); the passes launched against the passes in which a row ran; the share
     of passes whose log was read with no pass launched behind it (the device waits for the host:
     drained); and, in a second run of the same work not counted, the host's time a pass (a step's
@@ -198,7 +199,8 @@ def host_counts(model, work, max_batch, max_rows, scheduler="continuous", graphs
     out = dict(steps=len(steps), passes_launched=launched, passes_with_rows=counted.stats["passes"],
                drained_share=round(counted.stats["drained"] / launched, 4),
                host_ms_per_pass=round(1e3 * timed.host_seconds / timed.stats["launched"], 3),
-               launches_outside_graphs_per_step=round(sum(c[2] for c in steps) / len(steps), 2))
+               launches_outside_graphs_per_step=round(sum(c[2] for c in steps) / len(steps), 2),
+               launches_admitting=steps[0][2])
     if steady:
         out.update(steady_steps=len(steady), h2d_per_steady_step=max(c[0] for c in steady),
                    syncs_per_steady_step=max(c[1] for c in steady),

@@ -21,7 +21,37 @@ from engine.request import Request
 from engine.build import engine_for
 from serve_depthbatch import EagerRunner, Engine
 from engine.slots import SlotRunner
-from engine.slot_pass import SAMPLING, Slots, bucket, run_pass, sampling_kind
+from engine.slot_pass import SAMPLING, Slots, Upload, bucket, run_pass, sampling_kind
+
+
+def test_a_steps_writes_land_as_written_one_scatter_a_buffer(monkeypatch):
+    """Random writes into buffers of every dtype the slots hold, several a buffer, some setting an
+    element an earlier one set, then a permutation of the row buffers: the buffers equal the writes
+    applied one by one (the later value wins), and the device saw one index_put a buffer, with no
+    position twice."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    bufs = [torch.zeros(6, 5, dtype=dt) for dt in (torch.long, torch.int32, torch.bool, torch.float32,
+                                                   torch.float64)] + [torch.zeros(7, dtype=torch.float32)]
+    want = [b.clone() for b in bufs]
+    up = Upload(torch.device("cpu"))
+    for b, w in zip(bufs, want):
+        for _ in range(int(torch.randint(1, 5, (), generator=g))):           # several writes a buffer
+            part = torch.randperm(b.numel(), generator=g)[:int(torch.randint(1, b.numel(), (), generator=g))]
+            values = torch.randn(len(part), generator=g, dtype=torch.float64) * 100
+            values = values > 0 if b.dtype == torch.bool else values if b.is_floating_point() else values.long()
+            up.write(b, part if b.dim() == 1 else (part // b.shape[1], part % b.shape[1]), values)
+            w.view(-1)[part] = values.to(w.dtype)
+    perm = torch.randperm(7, generator=g)
+    scatters = []
+    put = torch.Tensor.index_put_
+    monkeypatch.setattr(torch.Tensor, "index_put_", lambda t, idx, v: scatters.append(idx[0]) or put(t, idx, v))
+    up.send([bufs[-1]], perm)
+    assert len(scatters) == len(bufs)
+    # no position twice in one scatter: on CUDA a repeated one may keep either value
+    assert all(len(idx.unique()) == len(idx) for idx in scatters)
+    for b, w in zip(bufs[:-1], want):
+        assert torch.equal(b, w)
+    assert torch.equal(bufs[-1], want[-1][perm])
 
 
 def mixed_requests(rng, n, fixed_depth=None):
@@ -257,7 +287,8 @@ def test_the_pass_is_as_lean_as_counted():
     finish_rows; from the host's traffic in a steady decode step, at most one copy to the device and
     one sync (the log read, one step late); no pass launched without a row in it (one allowed at the
     very end); and under a queue (4B requests through B slots, B = 8 and 32) at most 10% of the passes
-    read with no pass launched behind them (the device would wait for the host)."""
+    read with no pass launched behind them (the device would wait for the host), and the step that
+    admits the batch at most 50 launches outside the graphs."""
     from lab import bench_gpu
     k = bench_gpu.kernel_counts("tiny")
     assert k["gemms_per_layer"] == 4 and k["layer"]["op"] == 1 and k["launches_per_layer"] <= 9, k
@@ -271,6 +302,8 @@ def test_the_pass_is_as_lean_as_counted():
     for B in (8, 32):
         q = bench_gpu.host_counts(model, B, queue=True)
         assert q["drained_share"] <= 0.10 and q["passes_launched"] <= q["passes_with_rows"] + 1, q
+        # admitting the batch: a scatter (and a cast) a buffer written, whatever B (not one a write)
+        assert q["launches_admitting"] <= 50, q
 
 
 def test_every_kind_of_pass_is_captured_when_the_engine_starts(monkeypatch, stand_in_graphs):
