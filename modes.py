@@ -43,7 +43,7 @@ MODES = {
     "shared_kv":    Mode(prompt=Rule("never", True, "last"), decode=Rule("thr", False, "exit")),
     "collapse_kv":  Mode(prompt=Rule("prefill", True, "exit"), decode=Rule("thr", False, "exit")),
     # fixed@U's tokens exactly: a decoded token is drafted at a shallow depth, then verified at U
-    # (engine/speculative.py); this is the verification's rule, the draft's is draft_rule
+    # (engine/speculative.py); this is its prompt's rule, a decoded position's is draft_rule
     "speculative":  Mode(prompt=Rule("never", False, None), decode=Rule("never", False, None)),
 }
 
@@ -87,7 +87,7 @@ def need(r, U):
             "position at every depth)")
 
 
-DRAFT_K_MAX = 64       # speculative mode: the most tokens drafted before a verification
+DRAFT_K_MAX = 64       # speculative mode: the most drafts in flight a request may ask for
 
 
 def check_request(r, cfg, n_pages):
@@ -141,11 +141,12 @@ def draft_rule(r):
     return (r.thr, 0) if r.draft_depth == 0 else (FULL, r.draft_depth)
 
 
-def position_rules(r, start, end, draft_from=None):
+def position_rules(r, start, end):
     """How the rows of positions start..end-1 of request r run, by its mode (MODES, §3): per
     position the threshold τ (Eq. 4; App. E.2 for an ETE prefill), whether it runs on to its last
     depth after its exit (full), the exit it replays after a preemption (forced; 0: decide) and the
-    Table 17 depth it keeps. Positions from draft_from on are a speculative request's drafts."""
+    Table 17 depth it keeps. A speculative request's decoded positions exit where their draft is
+    sampled (draft_rule) and run on to U, where they are verified (engine/speculative.py)."""
     n = len(r.prompt)
     taus, full, forced, keep = [], [], [], []
     ptaus = None
@@ -158,14 +159,13 @@ def position_rules(r, start, end, draft_from=None):
             tau = ptaus[p]
         else:
             tau = FULL if kind == "never" else r.thr
+        forced_exit = r.exits[p] if p < len(r.exits) else 0
+        if r.mode == "speculative" and p >= n and not forced_exit:   # a draft, then its verification
+            (tau, forced_exit), run_full = draft_rule(r), True
         taus.append(tau)
         full.append(run_full)
-        forced.append(r.exits[p] if p < len(r.exits) else 0)
+        forced.append(forced_exit)
         keep.append(keep_rule)
-    if draft_from is not None:            # a speculative round's drafts (engine/speculative.py)
-        tau, draft_exit = draft_rule(r)
-        for i in range(max(draft_from, start) - start, end - start):
-            taus[i], full[i], forced[i] = tau, False, draft_exit
     return taus, full, forced, keep
 
 

@@ -226,16 +226,14 @@ class RaggedSeq:
         self._give_back(self.table[n:self.n][ahead].tolist())
         self.table[n:self.n], self.real[n:self.n], self.n = -1, False, n
 
-    def rewind(self, n, depth=0):
-        """Positions n.. are taken back from 0-based depth `depth` on, though they ran
-        (self-speculative decoding: drafts to verify again from there, or tokens refused): their
-        pages there go back to the pool and their aliases there go; their block evaluations stay
-        counted. Taken back whole (depth 0), the table ends at n."""
+    def rewind(self, n):
+        """Positions n.. are taken back though they ran (self-speculative decoding: positions that
+        ran on a refused draft, or past the end): their pages go back to the pool and the table ends
+        at n; their block evaluations stay counted."""
         n = min(n, self.n)
-        self.pool.release(self.table[n:self.n, depth:][self.real[n:self.n, depth:]].tolist(), self)
-        self.table[n:self.n, depth:], self.real[n:self.n, depth:] = -1, False
-        if depth == 0:
-            self.n = n
+        self.pool.release(self.table[n:self.n][self.real[n:self.n]].tolist(), self)
+        self.table[n:self.n], self.real[n:self.n] = -1, False
+        self.n = n
 
     def _give_back(self, pages):
         """Pages taken and never computed: back to the pool, and off the block evaluations."""

@@ -17,8 +17,9 @@ Modes
                 Prefill options (App. E.2): --prefill_thr, --prefill_schedule=cosine, --prefix_full=k.
   last_kv, shared_kv, collapse_kv   the Table 17 baselines (one K/V per token, see model.py).
   speculative   fixed@U's output exactly (the same greedy tokens; sampled ones from the same law),
-                usually in fewer passes: --draft_k tokens drafted at --draft_depth loops (0: each at
-                its exit gate under --thr), then verified at full depth in one chunk (engine/speculative.py).
+                usually in fewer passes: each token drafted at --draft_depth loops (0: at its exit
+                gate under --thr), its position started on the draft at once and verified when the
+                one before reaches U loops; at most --draft_k drafts in flight (engine/speculative.py).
 The default mode is `dense_ragged` at τ 0.5 (the paper's safe choice); `--mode=fixed` runs every token
 --depth loops. A flag given at the default --help shows runs exactly as if it were left out.
 Every mode runs through the depth-batching engine of serve_depthbatch.py on one paged KV pool, so
@@ -63,7 +64,7 @@ DEFAULTS = dict(
     prefill_thr=None,      # ete_ragged: a prompt threshold of its own (default --thr)
     prefill_schedule="",   # ete_ragged: "cosine" = thresholds fall from 1 to τ over the prompt
     prefix_full=0,         # ete_ragged: the first k prompt tokens run at full depth
-    draft_k=4,             # speculative: tokens drafted before a verification (1..64)
+    draft_k=4,             # speculative: the most drafts in flight, not verified yet (1..64)
     draft_depth=1,         # speculative: loops a draft runs, 1..U-1 (0: its exit gate at --thr)
     chat=False,            # wrap the prompt in Ouro's ChatML template (Thinking models); stop at <|im_end|>
     attn="auto",           # paged attention (kernels.py): auto = triton on CUDA when installed, else torch
@@ -276,9 +277,8 @@ def report(c, reqs, ids, decode, engine, pages, spec):
               file=sys.stderr)
     st = engine.stats
     if mode == "speculative" and st["verifies"]:
-        print(f"speculative: {st['verifies']} verifications kept {st['accepted']} of {st['drafted']} "
-              f"drafts ({st['accepted'] / max(st['drafted'], 1):.0%}), "
-              f"{(st['accepted'] + st['verifies']) / st['verifies']:.2f} tokens a verification; "
+        print(f"speculative: {st['verifies']} positions verified kept {st['accepted']} of {st['drafted']} "
+              f"drafts ({st['accepted'] / max(st['drafted'], 1):.0%}); "
               f"{st['passes']} passes of the block, {st['head_calls']} LM-head calls", file=sys.stderr)
     if len(reqs) > 1:
         print(f"{len(reqs)} samples as concurrent requests: {engine.stats['passes']} passes of the "

@@ -27,7 +27,7 @@ from engine.rows import Group, RowsView, embed_new, host_lists, pass_logs, read_
 from engine.scheduler import Scheduler
 from engine.shared_head import HEADS, SharedHead
 from engine.slots import SlotRunner
-from engine.speculative import aside, count_passes, keep_drafts, next_round, resume
+from engine.speculative import aside, count_passes, turn
 from kernels import resolve_impl
 from model import exit_now
 from modes import check_request, n_run, position_rules
@@ -45,27 +45,22 @@ class EagerRunner(Runner):
         super().__init__(model, pool, stats)
         self.attn, self.waves, self.head = attn, waves, head
         self.shared = SharedHead(model, max_batch) if head == "shared" and not waves else None
-        self.groups = {}                  # Live -> its rows in flight (a Group)
-        # a speculative round with a fixed draft depth: its drafts' states there, by position
-        self.drafted = {}
+        # Live -> its rows in flight, [Group] (a speculative request: a position each, each at its depth)
+        self.groups = {}
         # (request, rows, is decode) of the last run's passes, and how many: what a benchmark counts
         self.last_pass, self.last_passes = [], 0
 
     def start(self, s, end):
-        """Rows for positions s.done..end-1, each with its mode's rule (modes.position_rules); a
-        speculative round's drafts and its verification chunk (engine/speculative.py) are rows too."""
+        """Rows for positions s.started..end-1, each with its mode's rule (modes.position_rules); a
+        speculative request's positions start one at a time, each on its draft (engine/speculative.py)."""
         r = s.req
-        taus, full, forced, keep = position_rules(r, s.done, end, s.base() if s.drafting() else None)
+        taus, full, forced, keep = position_rules(r, s.started, end)
         ctx = r.prompt + r.tokens + [tok for tok, _ in s.drafts]
-        g = Group(s, s.done, ctx[s.done:end], taus, full, forced, keep, n_run(r, self.U))
-        if s.verifying:                         # a verification: the head on every position
-            g.sample_from = s.base()
-            if s in self.drafted:               # from its drafts' states at the draft depth
-                resume(g, s, self.drafted)
-        elif end == len(ctx) and not (s.drafting() and s.drafted()):
+        g = Group(s, s.started, ctx[s.started:end], taus, full, forced, keep, n_run(r, self.U))
+        if end == len(ctx):
             g.sample_from = end - 1             # the newest token: its exit samples the next one
-        self.groups[s] = g
-        self.stats["replayed_rows"] += sum(1 for f in forced if f)
+        self.groups.setdefault(s, []).append(g)
+        self.stats["replayed_rows"] += max(0, min(end, len(r.exits)) - s.started)
 
     def depths(self, g):
         """The depths a group's rows run in the next run: the next one (a wave: every one to come)."""
@@ -73,7 +68,7 @@ class EagerRunner(Runner):
 
     def plan(self, running, queued):
         """A page for every row at every depth it runs next."""
-        return {s: len(g.pos) * len(self.depths(g)) for s, g in self.groups.items()}
+        return {s: sum(len(g.pos) * len(self.depths(g)) for g in gs) for s, gs in self.groups.items()}
 
     def run(self, running, queued):
         """One pass of the block over every row in flight, whatever its depth (App. A.2; a fixed
@@ -84,18 +79,22 @@ class EagerRunner(Runner):
             return pass_logs([], 1, self._sample(self.shared.take())) if waiting else []
         hn, gate, h_next = self._run_block(groups, pages)    # the block on every row, at its depth
         rows = self._decide_exits(groups, gate, h_next)      # Eq. 4, each row with its τ
-        if any(g.live.req.mode == "speculative" for g in groups):
-            keep_drafts(rows, h_next, self.drafted)
-        exited = [(g.live, pos, hn[i]) for g, pos, i, newly, _ in rows
-                  if newly and g.sample_from is not None and pos >= g.sample_from]
-        if self.shared is not None:
+        # a row samples at its exit; a speculative one (a draft there) again at its last depth
+        exited = [(g.live, pos, hn[i]) for g, pos, i, newly, stopped in rows
+                  if g.sample_from is not None and pos >= g.sample_from
+                  and (newly or stopped and g.live.req.mode == "speculative")]
+        if self.shared is not None:      # a speculative row's draft or verification is taken at once
             others = (any(len(g.pos) for g in groups) or queued
                       or any(s not in self.groups and s.done < s.runnable() for s in running))
-            exited = self.shared.choose(exited, others, running, queued)
+            spec = [x[0].req.mode == "speculative" for x in exited]
+            exited = [x for x, sp in zip(exited, spec) if sp] + self.shared.choose(
+                [x for x, sp in zip(exited, spec) if not sp], others, running, queued)
         tokens = self._sample(exited)                        # the LM head
         for g in groups:
             if len(g.pos) == 0:
-                del self.groups[g.live]
+                self.groups[g.live].remove(g)
+                if not self.groups[g.live]:
+                    del self.groups[g.live]
         return pass_logs(rows, len(pages), tokens)
 
     def _allocate(self, running):
@@ -103,7 +102,7 @@ class EagerRunner(Runner):
         (ragged.alloc_wave) so that a batch that starts together reads them in place. Returns the
         groups, decode tokens first by position (as the padded attention tables want them), each with
         its rows of the batch (Group.span), and the pages of each pass."""
-        out = [(self.groups[s], self.depths(self.groups[s])) for s in running if s in self.groups]
+        out = [(g, self.depths(g)) for s in running for g in self.groups.get(s, ())]
         pages = alloc_wave(self.pool, [(g.live.seq, g.pos, depths) for g, depths in out])
         batch = sorted(zip([g for g, _ in out], pages),
                        key=lambda gp: (not read_as_rows(gp[0]), gp[0].pos.tolist()[-1]))
@@ -170,7 +169,6 @@ class EagerRunner(Runner):
 
     def drop(self, s):
         self.groups.pop(s, None)
-        self.drafted.pop(s, None)
         if self.shared is not None:
             self.shared.drop(s)
 
@@ -262,7 +260,7 @@ class Engine:
             if end > s.seq.n:
                 s.seq.extend(end - s.seq.n)       # the table covers every position started
             runner.start(s, end)
-            s.started, s.rows, started = end, end - s.done, True
+            s.rows, s.started, started = s.rows + end - s.started, end, True
         self.stats["max_in_flight"] = max(self.stats["max_in_flight"], len(sched.running))
         if not started and runner.idle(sched.running) and sched.running:
             self._evict()
@@ -298,7 +296,9 @@ class Engine:
                     s.stops.append((row.pos, row.depth - 1))
                     s.rows -= 1
                     stopped.add(s)
-                if row.tok >= 0 and not s.req.cancelled and not aside(s, row):  # a round's: aside
+                if s.req.mode == "speculative":
+                    aside(s, row)                 # its samples wait for its turn after the pass
+                elif row.tok >= 0 and not s.req.cancelled:
                     sampled.append(s.deliver(row.tok, row.logits))
                 if row.go:                   # its positions so far are done; the next runs in its place
                     s.rows, s.done, s.started = s.rows + 1, row.pos + 1, row.pos + 2
@@ -314,16 +314,14 @@ class Engine:
         return sampled
 
     def _settle(self, s):
-        """A request whose rows have all finished has done its positions: their exits join req.exits
-        (the decode ones counted for the shared head's cost model; a speculative request's once
-        verified), and it ends if its last token is sampled; a cancelled one ends now. Returns the
-        tokens a speculative round delivered [(request, token)]."""
+        """After a pass: a speculative request takes its turn (engine/speculative.py); a request whose
+        rows have all finished has done its positions; the exits of positions done join req.exits
+        (Live.settle_exits), and it ends if its last token is sampled; a cancelled one ends now.
+        Returns the tokens a speculative turn delivered [(request, token)]."""
         r = s.req
-        out = []
+        out = turn(s, self.stats, self.runner.drop) if r.mode == "speculative" else []
         if s.rows == 0:
             s.done = s.started
-            if r.mode == "speculative":
-                out = next_round(s, self.stats)
         s.settle_exits()
         if s.rows == 0 and s.ending and s.done >= s.runnable():
             self._finish(s, r.finish_reason)

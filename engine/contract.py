@@ -20,9 +20,10 @@ STATS = {"passes": "passes in which a row ran", "rows": "rows run (a token at a 
          "preemptions": "requests preempted", "replayed_rows": "rows run again by a replay",
          "max_in_flight": "the most requests running at once", "head_calls": "LM-head calls",
          "head_rows": "tokens delivered", "finished": "requests ended",
-         "draft_passes": "passes with a speculative draft row",
-         "verify_passes": "passes with a verify row", "verifies": "speculative rounds verified",
-         "drafted": "tokens drafted", "accepted": "drafts kept"}
+         "draft_passes": "passes in which a speculative draft was sampled",
+         "verify_passes": "passes in which a speculative position was verified",
+         "verifies": "speculative positions verified (a token each)", "drafted": "drafts sampled",
+         "accepted": "drafts kept"}
 
 
 class Live:
@@ -41,37 +42,33 @@ class Live:
         self.ending = False             # its last token is sampled: it ends when its rows have finished
         self.evals_before = 0           # block evaluations of caches freed by preemption
         self.decode_depths = [0, 0]     # Σ exits and count of its decode positions (replays not again)
-        # a speculative request's round (engine/speculative.py): its drafts [(token, logits)], whether its
-        # verification has started, and the full-depth results by position {position: (token, logits)}
-        self.drafts, self.verifying, self.verified = [], False, {}
+        # a speculative request (engine/speculative.py): its drafts not verified yet [(token, logits)],
+        # and what the last pass sampled for it [(position, token, logits, verified)]
+        self.drafts, self.sampled = [], []
 
     def runnable(self):
         """Positions it must run: every known token but a final sampled one (that one never runs);
-        the drafts of a speculative round count as known."""
+        the drafts of a speculative request count as known."""
         return len(self.req.prompt) + len(self.req.tokens) + len(self.drafts) - (1 if self.ending else 0)
 
     def base(self):
-        """The position of its last token: the first a speculative round drafts from."""
+        """The position of its last token (a speculative request's oldest position not verified)."""
         return len(self.req.prompt) + len(self.req.tokens) - 1
 
     def settled(self):
-        """Positions whose exits are final: those done, short of a speculative round's drafts (their
+        """Positions whose exits are final: those done, short of a speculative request's drafts (their
         exits become final once verified)."""
         return min(self.done, self.base()) if self.req.mode == "speculative" else self.done
 
-    def drafting(self):
-        """Whether its next rows are drafts: a speculative request past its first token, before its
-        round's verification."""
-        return self.req.mode == "speculative" and len(self.req.tokens) > 0 and not self.verifying
+    def pipelines(self):
+        """Whether its next position may start while its rows run: a speculative request past its
+        prompt with a token (a draft) whose position has not started (engine/speculative.py)."""
+        return self.req.mode == "speculative" and len(self.req.tokens) > 0 and self.started < self.runnable()
 
-    def drafted(self):
-        """Whether its round's drafts are all sampled (rows that run on sample nothing)."""
-        return len(self.drafts) >= self.round_k()
-
-    def round_k(self):
-        """How many tokens this round drafts: draft_k, fewer near max_tokens (a round emits at most
-        one more than it drafts)."""
-        return min(self.req.draft_k, self.req.max_tokens - len(self.req.tokens) - 1)
+    def draft_room(self):
+        """How many more drafts it may hold: draft_k, fewer near max_tokens (the position of a draft
+        runs, and a verification emits one token)."""
+        return min(self.req.draft_k, self.req.max_tokens - len(self.req.tokens) - 1) - len(self.drafts)
 
     def last_position(self):
         """The last position that runs: that of the token before the final one (which never runs)."""
@@ -116,7 +113,7 @@ class Live:
         self.seq = None
         self.done = self.started = self.rows = 0
         self.exits, self.stops = {}, []
-        self.drafts, self.verifying, self.verified = [], False, {}
+        self.drafts, self.sampled = [], []
 
 
 class Said(NamedTuple):
@@ -156,9 +153,10 @@ class Runner:
         """UserError for a request it leaves to another runner (nothing queued)."""
 
     def ready(self, s):
-        """"chunk" if s may start its next chunk now (its rows have all finished), "started" if its
-        next row has started already (on the device), None if neither."""
-        return "chunk" if s.rows == 0 else None
+        """"chunk" if s may start its next chunk now (its rows have all finished, or it pipelines:
+        Live.pipelines), "started" if its next row has started already (on the device), None if
+        neither."""
+        return "chunk" if s.rows == 0 or s.pipelines() else None
 
     def budget(self, running):
         """Rows in flight, and the pages left for new chunks (each row in flight takes one next pass)."""
@@ -170,7 +168,7 @@ class Runner:
         return None
 
     def start(self, s, end):
-        """Rows for positions s.done..end-1 (replayed positions run to their recorded exits)."""
+        """Rows for positions s.started..end-1 (replayed positions run to their recorded exits)."""
         raise NotImplementedError
 
     def plan(self, running, queued):

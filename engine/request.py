@@ -21,7 +21,7 @@ class Request:
     mode: str = "dense_ragged"     # see modes.MODES
     thr: float = 0.5               # this request's exit threshold τ (Eq. 4)
     depth: int = 0                 # fixed mode: loops per token (0: U)
-    draft_k: int = 4               # speculative mode: tokens drafted before a verification
+    draft_k: int = 4               # speculative mode: the most drafts in flight, not verified yet
     draft_depth: int = 1           # speculative mode: loops a draft runs (0: its exit gate at thr)
     temperature: float = 0.0       # 0 = greedy
     top_p: float = 1.0

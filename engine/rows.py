@@ -206,7 +206,7 @@ def pass_logs(rows, n_passes, tokens):
     in the last) and their rows [(group, position, row, newly exited, stopped)], with the tokens
     sampled [(Live, position, token, logits)], each at its row (a row that waited for a shared head
     call: an entry of its own, at depth 0)."""
-    # logits go back where the request keeps them, and where a speculative round's rule reads them
+    # logits go back where the request keeps them, and where a speculative verification reads them
     kept = lambda r: r.keep_logits or (r.mode == "speculative" and r.temperature > 0)
     sampled = {(s, pos): (tok, lg if kept(s.req) else None) for s, pos, tok, lg in tokens}
     said = []

@@ -28,16 +28,15 @@ def scheduler_for(mode):
 
 
 def chunk_end(s, budget):
-    """Where the next chunk of positions of s (s.done.., up to s.runnable()) ends, given the rows
-    left in this step's budget; None: wait. A decode token always runs, and so does a speculative
-    verification, whole (its k + 1 decoded positions: engine/speculative.py)."""
-    n, start, avail = len(s.req.prompt), s.done, s.runnable()
+    """Where the next chunk of positions of s (s.started.., up to s.runnable()) ends, given the rows
+    left in this step's budget; None: wait. A decode token always runs."""
+    n, start, avail = len(s.req.prompt), s.started, s.runnable()
     if start >= avail:
         return None
     if keeps_one_depth(s.req.mode):
         return n if start < n else start + 1
-    if start == avail - 1 or s.verifying:
-        return avail                    # one decode token, or a verification: always runs
+    if start == avail - 1:
+        return avail                    # one decode token: always runs
     return min(avail, start + budget) if budget > 0 else None
 
 
@@ -45,10 +44,10 @@ def fit_chunk(s, end, free, U):
     """A chunk that needs more than the free pages (a row takes one per depth it may run) starts
     smaller; None: it waits (nothing fits, or a Table 17 prompt, which runs whole)."""
     depths = n_run(s.req, U)
-    if (end - s.done) * depths <= free:
+    if (end - s.started) * depths <= free:
         return end
-    end = s.done + max(free // depths, 0)
-    return None if end <= s.done or keeps_one_depth(s.req.mode) else end
+    end = s.started + max(free // depths, 0)
+    return None if end <= s.started or keeps_one_depth(s.req.mode) else end
 
 
 def dry_pool(r, pool, U):
@@ -80,7 +79,7 @@ class Scheduler:
             as_fixed(r, self.U)
 
     def chunks(self, rows, free, ready, wave=None):
-        """The chunks to start this step (App. A.2), one at a time: yields (s, end), positions s.done..end-1,
+        """The chunks to start this step (App. A.2), one at a time: yields (s, end), positions s.started..end-1,
         and the engine starts them before the next is chosen. rows: the rows already in flight;
         free: the pages left for new chunks (a chunk's rows take one per depth they may run).
         ready(s), the runner's: "chunk" if s may start one, "started" if its next row has started
@@ -99,10 +98,10 @@ class Scheduler:
                 continue
             end = chunk_end(s, self.max_rows - rows)
             # one decode row always starts (the host makes room for it)
-            if end is not None and end - s.done > 1:
+            if end is not None and end - s.started > 1:
                 end = fit_chunk(s, end, free, self.U)
             if end is not None:
-                wave, n = n_run(s.req, self.U), end - s.done
+                wave, n = n_run(s.req, self.U), end - s.started
                 rows, free = rows + n, free - n * wave
                 yield s, end
         while self.waiting and len(self.running) < self.max_batch and joins(self.waiting[0]):
@@ -117,7 +116,7 @@ class Scheduler:
             if end is None:
                 break
             self.running.append(self.waiting.popleft())
-            wave, n = n_run(s.req, self.U), end - s.done
+            wave, n = n_run(s.req, self.U), end - s.started
             rows, free = rows + n, free - n * wave
             yield s, end
 

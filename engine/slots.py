@@ -45,8 +45,8 @@ from engine.slot_pass import LOG, ROWS, SAMPLING, Download, Slots, Upload, bucke
 
 
 def runs_mode(mode):
-    """Whether the slot runner runs a mode: not a speculative round (its drafts and verification are
-    turned on the host between passes) nor a Table 17 cache (its tokens one at a time, as defined);
+    """Whether the slot runner runs a mode: not speculative (its drafts are kept, verified and their
+    positions started by the host between passes) nor a Table 17 cache (its tokens one at a time, as defined);
     those run on the eager runner (engine/build.engine_for picks it for them)."""
     return mode != "speculative" and not keeps_one_depth(mode)
 

@@ -1,48 +1,42 @@
 """
-Self-speculative decoding: rounds of tokens drafted by the model's own shallow loops, and what a round
-keeps, so that the output is fixed@U's exactly (the greedy tokens, or the sampled distribution).
+Self-speculative decoding: tokens drafted by the model's own shallow loops and verified at full depth
+as the positions run on, so that the output is fixed@U's exactly (the greedy tokens, or the sampled
+distribution).
 
 A looped model carries its own draft model: the same block at fewer loops, with the same weights,
-pages and tokenizer. A speculative request (modes.MODES["speculative"]) decodes in rounds. Its last
-accepted token c sits at position b, not yet run. Draft: positions b, b+1, .. b+k-1 run one at a time
-at the draft depth d (or each at its exit gate's depth under τ), each sampling the next token, x_1 ..
-x_k; their deeper K/V is aliased as for any early exit (Eq. 11), so a draft costs d loops. Verify: the
-k + 1 positions b .. b+k (tokens c, x_1 .. x_k) run as one chunk to depth U with the LM head on every
-position, giving the full-depth distributions p_1 .. p_{k+1}. This file decides what is kept:
+pages and tokenizer. In a depth-batched engine it also needs no rounds. A speculative request's
+position p runs every depth 1..U, as fixed@U's does. At its draft exit (d loops, or its exit gate's
+depth under τ: modes.draft_rule) the LM head samples a draft x for position p + 1 and the row runs
+on; position p + 1 starts on x at the next step, beside p's row, one depth behind it or more. So a
+request holds up to about U / d positions in flight, one row at each depth (at most draft_k drafts
+not verified yet), and every pass advances all of them: a pipeline, the passes' depth batching
+applied within one request.
 
-  greedy      x_i is kept while it equals the full-depth argmax; the first that differs is replaced
-              by the argmax; if all k are kept, the argmax after x_k comes free (the bonus token).
-  sampled     x_i (drawn from the draft distribution q_i) is kept with probability
-              min(1, p_i(x_i) / q_i(x_i)); the first one refused is replaced by a draw from the
-              normalised max(0, p_i - q_i); all kept: a bonus draw from p_{k+1}. Each emitted token is
-              then distributed exactly as fixed@U's (Leviathan et al., 2023; Chen et al., 2023):
-              P(x) = q(x) min(1, p(x)/q(x)) + (1 - Σ_y min(q(y), p(y))) r(x) = p(x).
+Every read is exact. Position p + 1 at depth δ reads the depth-δ K/V of the positions before it,
+written passes earlier, when those rows were at δ (Eq. 7 with no early exit: nothing is aliased),
+so once its token is right its states are fixed@U's. When p reaches depth U its full-depth result
+verifies the draft x that p + 1 runs on (turn, below: accept):
 
-p and q are the distributions the sampler draws from (temperature, top-k and top-p applied to both the
-same way: engine/request.sample_set), so the output is that of fixed@U under the same settings.
+  greedy      x is kept while it equals the full-depth argmax; else the argmax replaces it.
+  sampled     x (drawn from the draft distribution q) is kept with probability
+              min(1, p(x) / q(x)); else a draw from the normalised max(0, p - q) replaces it. Each
+              emitted token is then distributed exactly as fixed@U's (Leviathan et al., 2023; Chen
+              et al., 2023): P(x) = q(x) min(1, p(x)/q(x)) + (1 - Σ_y min(q(y), p(y))) r(x) = p(x).
 
-Exactness of the cache: a draft at position j > b read its predecessors' K/V above their draft depth
-through aliases, so its deeper states are not fixed@U's; at depths 1..d its reads were exact (every
-earlier draft ran them), so its state at depth d is fixed@U's. With a fixed draft depth d the round
-therefore runs one more row at depth d, at position b+k (x_k, which samples nothing), and the
-verification resumes all k + 1 positions from their states at depth d (keep_drafts, resume, below):
-only their pages and aliases past depth d go back first (RaggedSeq.rewind), and the chunk runs U - d
-passes. Under the gate the drafts exit at depths of their own and a later draft reads aliases from
-the first exit on, so the verification runs every position again from depth 1. After it the
-positions of rejected tokens go back too; the positions kept hold exact full-depth K/V. A draft row
-and a verify chunk are ordinary rows of the depth-batched passes (serve_depthbatch.EagerRunner); the
-host (serve_depthbatch.Engine) keeps a round's tokens aside (aside, below) and turns the round with
-next_round whenever the request has no row in flight.
+A kept draft costs nothing more: its position is already running. A replaced one drops every position
+after p (their rows, pages and drafts go back: they ran on a wrong token) and p + 1 starts again on
+the replacement. With drafts kept at rate α a token takes about 1 + (U - d)(1 - α) passes of the
+request against fixed@U's U. p and q are the distributions the sampler draws from (temperature,
+top-k and top-p applied to both the same way: engine/request.sample_set). The host
+(serve_depthbatch.Engine) keeps a request's samples aside (aside) and takes its turn after each pass.
 """
 import torch
 
 from engine.request import keyed_uniform, sample_set, sample_token, seed_bits
-from model import at_least_fp32
-from modes import draft_rule
 
-# The noise of a round: a draft is an ordinary draw keyed by (seed, position) (sample_token); the
-# acceptance test's uniform and the replacement's draw have streams of their own, so that no draw is
-# reused for another decision at the same position.
+# The noise of a verification: a draft is an ordinary draw keyed by (seed, position) (sample_token);
+# the acceptance test's uniform and the replacement's draw have streams of their own, so that no
+# draw is reused for another decision at the same position.
 ACCEPT, REPLACE = 2**30, 2**31
 
 
@@ -65,110 +59,81 @@ def draw(p, r, position):
     return sample_token(torch.log(p), 1.0, 0, 1.0, r.seed, position + REPLACE)
 
 
-def accept(r, base, drafts, verified):
-    """The tokens a round emits: drafts [(x_i, q_i's logits or None)], i = 1..k, drawn by the rows at
-    positions base .. base+k-1; verified [(the full-depth token, its logits)] of positions base ..
-    base+k. Returns [(token, its full-depth logits)]: the drafts kept, then the replacement of the
-    first refused one or the bonus token."""
-    out = []
-    for i, ((x, q_logits), (y, p_logits)) in enumerate(zip(drafts, verified)):
-        if r.temperature == 0:
-            if x != y:                                  # greedy: the full-depth argmax replaces it
-                return out + [(y, p_logits)]
-        else:
-            p, q = probs(p_logits, r), probs(q_logits, r).to(p_logits.device)
-            # refused with probability 1 - min(1, p(x)/q(x))
-            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):
-                rest = (p - q).clamp(min=0)
-                return out + [(draw(rest / rest.sum() if rest.sum() > 0 else p, r, base + i),
-                               p_logits)]
-        out.append((x, p_logits))
-    return out + [verified[len(drafts)]]                # all kept: the bonus token, drawn from p_{k+1}
+def accept(r, position, draft, full):
+    """The token r emits after `position`: its draft (x, q's logits or None) drawn there at the draft
+    depth, against the full-depth result (y, p's logits) there. Returns (token, whether the draft was
+    kept): x if kept, else the replacement (greedy: y; sampled: a draw from max(0, p - q))."""
+    (x, q_logits), (y, p_logits) = draft, full
+    if r.temperature == 0:
+        return (x, True) if x == y else (y, False)
+    p, q = probs(p_logits, r), probs(q_logits, r).to(p_logits.device)
+    if accept_uniform(r, position) * float(q[x]) <= float(p[x]):     # kept w.p. min(1, p(x)/q(x))
+        return x, True
+    rest = (p - q).clamp(min=0)
+    return draw(rest / rest.sum() if rest.sum() > 0 else p, r, position), False
 
 
-# ----------------------------------------------------------------------------- a round, on the host
+# ----------------------------------------------------------------------------- on the host
 
-def resume_depth(r):
-    """The depth a verification resumes from: a fixed draft depth d (every draft's reads up to d
-    were exact), or 0 under the gate (a later draft read aliases from the first exit on: depth 1
-    again). It is the draft's forced exit (modes.draft_rule)."""
-    return draft_rule(r)[1]
-
-
-def keep_drafts(rows, h_next, kept):
-    """The eager runner's rows after a pass [(group, position, row, newly exited, stopped)]: a draft
-    row that stops at a fixed draft depth d keeps its state there (h_next[row]) in kept[Live]
-    {position: state}: its reads were all exact, so its verification resumes from it."""
-    for g, pos, i, _, stopped in rows:
-        s = g.live
-        if stopped and resume_depth(s.req) and s.drafting():
-            kept.setdefault(s, {})[pos] = h_next[i]
-
-
-def resume(g, s, kept):
-    """A verification chunk (engine/rows.Group) resumes from its drafts' states at the draft depth d
-    (keep_drafts; a chunk at a time where the pool is short): its rows run depths d + 1 .. U."""
-    states = kept[s]
-    g.h = torch.stack([states.pop(p) for p in range(g.start, g.start + g.size)])
-    g.survive = torch.ones(g.size, dtype=at_least_fp32(g.h.dtype), device=g.h.device)
-    g.d = resume_depth(s.req)
-    if not states:
-        del kept[s]
+def aside(s, row):
+    """A speculative request's row in a pass's log (engine/contract.Said): a row that ran its last
+    depth (U) has its position done and its exit U (it was verified there; the draft's exit it
+    decided before is not kept); what a row sampled waits for the pass's turn (s.sampled): a draft
+    at its draft exit, a verification at its last depth."""
+    if row.stop:
+        s.done = max(s.done, row.pos + 1)         # positions finish in order: each runs all U depths
+        if row.pos >= len(s.req.exits):
+            s.exits[row.pos] = row.depth
+    if row.tok >= 0:
+        s.sampled.append((row.pos, row.tok, row.logits, row.stop))
 
 
 def count_passes(log, stats):
-    """A pass's share of the engine's counts: whether a speculative request ran a draft row in it
-    (draft_passes) or a verify row (verify_passes)."""
-    spec = [s for s, n in log.ran if n and s.seq is not None and s.req.mode == "speculative"]
-    stats["draft_passes"] += any(s.drafting() for s in spec)
-    stats["verify_passes"] += any(s.verifying for s in spec)
+    """A pass's share of the engine's counts: whether a speculative draft was sampled in it
+    (draft_passes), whether a speculative position was verified (verify_passes)."""
+    spec = [row for row in log.said if row.tok >= 0 and row.live.req.mode == "speculative"]
+    stats["draft_passes"] += any(not row.stop for row in spec)
+    stats["verify_passes"] += any(row.stop for row in spec)
 
 
-def aside(s, row):
-    """A token its row sampled (engine/contract.Said), kept for the round where it is not delivered:
-    a draft, or the full-depth result of a verified position. Returns whether it was kept aside."""
-    if s.drafting():
-        s.drafts.append((row.tok, row.logits))
-        return True
-    if s.verifying:
-        s.verified[row.pos] = (row.tok, row.logits)
-        return True
-    return False
-
-
-def next_round(s, stats):
-    """The host's turn for a speculative request with no row in flight (s: its engine/contract.Live):
-    once its verification has every position, the round delivers what it keeps (Live.deliver) and
-    the positions past them go back; once its drafts are all sampled (and, with a fixed draft depth
-    d, position b+k has run to d too), the drafted positions go back past depth d (their deeper
-    states read aliases) and its verification starts, the k + 1 positions as one chunk from depth
-    d + 1 to U. Returns what was delivered."""
-    out = []
-    if s.verifying and len(s.verified) == len(s.drafts) + 1:
-        base, r = s.base(), s.req
-        kept = accept(r, base, s.drafts, [s.verified[base + i] for i in range(len(s.drafts) + 1)])
+def turn(s, stats, drop):
+    """A speculative request's turn after a pass (s: its engine/contract.Live). First a position the
+    pass verified at depth U emits its token (accept): the draft its successor runs on, kept, or its
+    replacement, after which every position past it goes back (drop: the runner forgets its rows),
+    as at its end. Then a draft sampled at the frontier (the position of its newest token) joins its
+    drafts while it has room (Live.draft_room), and its position starts at the next step
+    (Live.pipelines); a draft sampled past a position that went back is dropped. Returns what was
+    delivered [(request, token)]."""
+    samples, s.sampled, out, cut = s.sampled, [], [], None
+    for pos, tok, logits, verified in samples:
+        if not verified or s.req.cancelled or s.ending:
+            continue
+        assert pos == s.base(), (pos, s.base())           # the oldest position in flight
+        kept = False
+        if s.drafts:
+            tok, kept = accept(s.req, pos, s.drafts.pop(0), (tok, logits))
+            stats["accepted"] += kept
         stats["verifies"] += 1
-        stats["drafted"] += len(s.drafts)
-        stats["accepted"] += len(kept) - 1
-        s.drafts, s.verified, s.verifying = [], {}, False
-        for tok, logits in kept:
-            out.append(s.deliver(tok, logits))
-            if s.ending:                                # a stop id or max_tokens: the rest is dropped
-                break
-        rewind(s, base + len(out))
-    d = resume_depth(s.req)
-    last_ran = d == 0 or s.done > s.base() + len(s.drafts)         # position b+k, at a fixed d
-    if s.drafting() and s.drafted() and not s.ending and last_ran:
-        rewind(s, s.base(), d)
-        s.verifying = True
+        out.append(s.deliver(tok, logits))
+        if not kept or s.ending:                        # what ran after it ran on a wrong token
+            drop(s)
+            cut = pos + 1
+            rewind(s, cut)
+    for pos, tok, logits, verified in samples:
+        frontier = pos == s.base() + len(s.drafts) and (cut is None or pos < cut)
+        if not verified and frontier and s.draft_room() > 0 and not s.ending:
+            s.drafts.append((tok, logits))
+            stats["drafted"] += 1
     return out
 
 
-def rewind(s, n, depth=0):
-    """Positions n.. of a speculative request go back, at depths past `depth` (0: whole), though they
-    ran (drafts to verify, tokens refused): their pages (RaggedSeq.rewind), the exits they decided
-    and the stops still to alias."""
-    s.seq.rewind(n, depth)
+def rewind(s, n):
+    """Positions n.. of a speculative request go back though they ran (on a refused draft, or past
+    its end): their rows, drafts, pages (RaggedSeq.rewind), the exits they decided and the stops
+    still to alias."""
+    s.drafts = []
+    s.seq.rewind(n)
     s.exits = {p: e for p, e in s.exits.items() if p < n}
     s.stops = [(p, d) for p, d in s.stops if p < n]
     s.done = s.started = n
+    s.rows = 0

@@ -83,7 +83,7 @@ DEFAULTS = dict(
     attn="auto",           # engine: paged attention (kernels.py)
     device="auto",         # engine, gpu: where to run (auto: CUDA when there is one)
     gpu_shape="ouro1.4b",  # gpu: the random model (ouro1.4b; tiny: the same code in seconds on a CPU)
-    draft_ks="2,4,6",      # speculative: the k of the drafts (tokens drafted before a verification)
+    draft_ks="1,2,4",      # speculative: the most drafts in flight (d = 1 fills its pipeline at U - 1)
     out="",                # gpu: also write the JSON to this file
 )
 RULES = dict(what=["decode", "engine", "train", "gpu", "memory", "speculative"], prompt_len=">= 1",

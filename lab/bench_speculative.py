@@ -137,8 +137,6 @@ def bench_speculative(c):
                              rows_per_token=round(st["rows"] / made, 2),
                              head_calls_per_token=round(st["head_calls"] / made, 3),
                              kept=round(st["accepted"] / st["drafted"], 3) if st["drafted"] else None,
-                             tokens_per_verify=round((st["accepted"] + st["verifies"]) / st["verifies"], 2)
-                             if st["verifies"] else None,
                              identical=tokens == fixed_tokens))
     print_rows(rows, agree, source, U)
     cfg = model.config
@@ -153,14 +151,12 @@ def print_rows(rows, agree, source, U):
     print("teacher-forced, the full-depth token after d loops: "
           + ", ".join(f"d={d + 1} {a:.1%}" for d, a in enumerate(agree)), file=sys.stderr)
     print(f"{'workload':<22}{'config':<30}{'tok/s':>9}{'x fixed':>9}{'passes/tok':>11}{'rows/tok':>9}"
-          f"{'heads/tok':>10}{'kept':>7}{'tok/verify':>11}", file=sys.stderr)
+          f"{'heads/tok':>10}{'kept':>7}", file=sys.stderr)
     for r in rows:
         kept = "" if r["kept"] is None else f"{r['kept']:.0%}"
-        tpv = "" if r["tokens_per_verify"] is None else f"{r['tokens_per_verify']:.2f}"
         print(f"{r['workload']:<22}{r['config']:<30}{r['tok_s']:>9.1f}{r['x_fixed']:>9.2f}"
               f"{r['passes_per_token']:>11.3f}{r['rows_per_token']:>9.2f}{r['head_calls_per_token']:>10.3f}"
-              f"{kept:>7}{tpv:>11}",
-              file=sys.stderr)
+              f"{kept:>7}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ DEFAULTS = dict(
     shots=0,               # few-shot exemplars (the first items of each task; they are not scored)
     chat=False,            # zero-shot ChatML with thinking (Ouro Thinking models), as App. D.2
     max_tokens=256,        # generation cap
-    draft_k=4,             # speculative@d: tokens drafted (at d loops) before a verification
+    draft_k=4,             # speculative@d: the most drafts (at d loops) in flight, not verified yet
     temperature=1.0,       # the paper's sampling: 1.0, top-p 0.7, top-k off; 0 = greedy
     top_p=0.7,             # nucleus sampling
     top_k=0,               # 0 = off

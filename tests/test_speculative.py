@@ -1,8 +1,8 @@
 """Self-speculative decoding (speculative.py) against fixed@U (float64): greedy tokens, exits and
 logits equal token for token at every draft depth and the gate's, alone, in mixed batches under both
 schedulers and the shared head, under preemption, with stop ids and cancellation, the page tables
-checked after every step; sampled tokens distributed as fixed@U's (a chi-square test that a wrong
-acceptance rule fails); bad values refused."""
+checked after every step; the pipeline's passes counted exactly; sampled tokens distributed as
+fixed@U's (a chi-square test that a wrong acceptance rule fails); bad values refused."""
 import random
 
 import pytest
@@ -39,30 +39,32 @@ def test_greedy_equals_fixed_at_every_draft_depth(draft_depth, k):
     assert_same(r, alone(model, fixed_twin(r)))
     assert r.token_exits == [U] * len(r.tokens)
     assert r.kv["physical"] == r.kv["dense"]                         # every kept position at depth U
-    # the drafts were paid for: a fixed draft depth's rows are the kept positions' first d pages
-    # (the verification resumes from them), so only refused positions cost more; the gate's drafts
-    # run again from depth 1
-    assert r.kv["block_evals"] >= r.kv["physical"]
-    assert draft_depth > 0 or r.kv["block_evals"] > r.kv["physical"]
     s = e.stats
-    assert s["verifies"] >= 1 and s["drafted"] >= s["accepted"] >= 0
-    # a round emits its accepted drafts and one more token; the first token comes from the prompt
-    assert s["accepted"] + s["verifies"] == len(r.tokens) - 1
-    # a verification resumes from the drafts' states at a fixed draft depth d (U - d passes); under
-    # the gate (d = 0) from the embeddings
-    assert s["draft_passes"] >= 1 and s["verify_passes"] == (U - draft_depth) * s["verifies"]
+    # every token is a position verified at depth U (the first, the prompt's last); a draft is
+    # kept or refused there, and only a refusal leaves work behind (the positions after it, dropped)
+    assert s["verifies"] == len(r.tokens) and s["drafted"] >= s["accepted"]
+    assert (r.kv["block_evals"] > r.kv["physical"]) == (s["drafted"] > s["accepted"])
+    assert s["verify_passes"] == s["verifies"] and (s["draft_passes"] > 0) == (s["drafted"] > 0)
 
 
-def test_a_verification_runs_whole_whatever_the_row_budget():
-    """A verification is decode work: like a decode token it runs whole even when --max_rows is 1
-    (sample.py's budget for a one-token prompt), in U - d passes from the drafts' states at the
-    draft depth d, not cut into chunks of one row."""
-    model = varied_model()
-    r = Request(prompt(1), 16, "speculative", 0.5, draft_k=4, draft_depth=1, keep_logits=True)
-    e = Engine(model, 4000, max_batch=1, max_rows=1)
-    drive(e, [r])
-    assert_same(r, alone(model, fixed_twin(r)))
-    assert e.stats["verify_passes"] == (U - 1) * e.stats["verifies"]
+def test_a_kept_draft_saves_the_passes_its_position_ran_beside_its_predecessor():
+    """The pipeline, counted: one request with a fixed draft depth d and room for every draft in
+    flight (k = U). The first token takes the prompt's passes (U a chunk: one chunk, or a chunk a
+    position under --max_rows=1); the token after a kept draft is verified d passes after the one
+    before (its position started when that one reached depth d); any other, U passes after (its
+    position starts once the one before is verified, on a replacement or on a token drawn at U).
+    So the passes are prompt + d·kept + U·(the other tokens after the first) exactly, whatever the
+    row budget (a decode position always starts), and the tokens are fixed@U's."""
+    for rows in (1, 64, 1, 64):
+        model = varied_model()
+        d = random.randint(1, U - 1)
+        r = Request(prompt(random.randint(1, 8)), random.randint(6, 16), "speculative", 0.5, draft_k=U,
+                    draft_depth=d, keep_logits=True)
+        e = Engine(model, 4000, max_batch=1, max_rows=rows)
+        drive(e, [r])
+        assert_same(r, alone(model, fixed_twin(r)))
+        kept, others = e.stats["accepted"], len(r.tokens) - 1 - e.stats["accepted"]
+        assert e.stats["passes"] == U * (len(r.prompt) if rows == 1 else 1) + d * kept + U * others
 
 
 @pytest.mark.parametrize("head", ["eager", "shared"])
@@ -88,8 +90,8 @@ def test_mixed_batches_equal_each_alone(scheduler, head):
 
 
 def test_preemption_replays_exactly():
-    """A pool too small for the batch: requests are preempted mid-round (drafts and verifications
-    dropped, the replay from the accepted tokens) and each still equals fixed@U alone."""
+    """A pool too small for the batch: requests are preempted with positions in flight (drafts
+    dropped, the replay from the verified tokens) and each still equals fixed@U alone."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
     model = varied_model()
     reqs = [spec(prompt(rng.randint(4, 10)), rng.randint(8, 16), rng) for _ in range(6)]
@@ -175,7 +177,7 @@ def sampled_pairs(model, ids, how):
 @pytest.mark.parametrize("how", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
 def test_sampled_tokens_are_distributed_as_fixed(how, monkeypatch):
     """The second and third tokens of 3,000 sampled requests (the second drafted at depth 1: a kept
-    draft or a replacement; the third a bonus token or a verification's own) against their exact
+    draft or a replacement; the third, the last, never drafted: drawn at depth U) against their exact
     joint law under fixed@U: the chi-square test passes; with the rule broken (every draft kept, or a
     refused draft replaced from p instead of max(0, p - q)), the same test fails. The model is one
     whose depth-1 and depth-U laws differ enough for that (a precondition, not a tuning)."""
@@ -184,17 +186,15 @@ def test_sampled_tokens_are_distributed_as_fixed(how, monkeypatch):
     expected = exact_pairs(model, ids, Request(ids, 3, **how)) * DRAWS
     assert chi_square_p(sampled_pairs(model, ids, how), expected) > 1e-4
 
-    def keep_all(r, base, drafts, verified):
-        return [(x, lg) for (x, _), (_, lg) in zip(drafts, verified)] + [verified[len(drafts)]]
+    def keep_all(r, position, draft, full):
+        return draft[0], True
 
-    def replace_from_p(r, base, drafts, verified):
-        out = []
-        for i, ((x, q_lg), (_, p_lg)) in enumerate(zip(drafts, verified)):
-            p, q = probs(p_lg, r), probs(q_lg, r)
-            if accept_uniform(r, base + i) * float(q[x]) > float(p[x]):
-                return out + [(draw(p, r, base + i), p_lg)]
-            out.append((x, p_lg))
-        return out + [verified[len(drafts)]]
+    def replace_from_p(r, position, draft, full):
+        (x, q_lg), (_, p_lg) = draft, full
+        p, q = probs(p_lg, r), probs(q_lg, r)
+        if accept_uniform(r, position) * float(q[x]) > float(p[x]):
+            return draw(p, r, position), False
+        return x, True
     for wrong in (keep_all, replace_from_p):
         monkeypatch.setattr(speculative, "accept", wrong)
         assert chi_square_p(sampled_pairs(model, ids, how), expected) < 1e-6, wrong.__name__
