@@ -318,8 +318,11 @@ class Engine:
         rows have all finished has done its positions; the exits of positions done join req.exits
         (Live.settle_exits), and it ends if its last token is sampled; a cancelled one ends now.
         Returns the tokens a speculative turn delivered [(request, token)]."""
-        r = s.req
-        out = turn(s, self.stats, self.runner.drop) if r.mode == "speculative" else []
+        r, out = s.req, []
+        if r.mode == "speculative":
+            out, cut = turn(s, self.stats)
+            if cut is not None:                # the positions that went back: their rows go too
+                self.runner.drop(s)
         if s.rows == 0:
             s.done = s.started
         s.settle_exits()

@@ -96,14 +96,14 @@ def count_passes(log, stats):
     stats["verify_passes"] += any(row.stop for row in spec)
 
 
-def turn(s, stats, drop):
+def turn(s, stats):
     """A speculative request's turn after a pass (s: its engine/contract.Live). First a position the
     pass verified at depth U emits its token (accept): the draft its successor runs on, kept, or its
-    replacement, after which every position past it goes back (drop: the runner forgets its rows),
-    as at its end. Then a draft sampled at the frontier (the position of its newest token) joins its
-    drafts while it has room (Live.draft_room), and its position starts at the next step
-    (Live.pipelines); a draft sampled past a position that went back is dropped. Returns what was
-    delivered [(request, token)]."""
+    replacement, after which every position past it goes back (rewind), as at its end. Then a draft
+    sampled at the frontier (the position of its newest token) joins its drafts while it has room
+    (Live.draft_room), and its position starts at the next step (Live.pipelines); a draft sampled
+    past a position that went back is dropped. Returns what was delivered [(request, token)], and
+    the first position that went back (None: none; the host has the runner forget their rows)."""
     samples, s.sampled, out, cut = s.sampled, [], [], None
     for pos, tok, logits, verified in samples:
         if not verified or s.req.cancelled or s.ending:
@@ -116,7 +116,6 @@ def turn(s, stats, drop):
         stats["verifies"] += 1
         out.append(s.deliver(tok, logits))
         if not kept or s.ending:                        # what ran after it ran on a wrong token
-            drop(s)
             cut = pos + 1
             rewind(s, cut)
     for pos, tok, logits, verified in samples:
@@ -124,7 +123,7 @@ def turn(s, stats, drop):
         if not verified and frontier and s.draft_room() > 0 and not s.ending:
             s.drafts.append((tok, logits))
             stats["drafted"] += 1
-    return out
+    return out, cut
 
 
 def rewind(s, n):
