@@ -36,7 +36,7 @@ from ragged import PagePool, RaggedSeq, alloc_wave, check_pool
 # ----------------------------------------------------------------------------- one pass
 
 class EagerRunner(Runner):
-    """The reference runner: a request's rows in flight are a Group (engine/rows.py). A pass takes a
+    """The reference runner: a request's rows in flight are Groups (engine/rows.py). A pass takes a
     fresh page for every row, applies the block to every row at its own depth (Eq. 7 through Eq. 11),
     decides the exits (Eq. 4) and samples the rows that exited. waves: the fixed scheduler's, every
     row all its depths in one run, as Ouro's code runs its loops; head="shared": engine/shared_head.py."""

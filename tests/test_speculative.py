@@ -165,9 +165,9 @@ def exact_pairs(model, ids, r):
 
 
 def sampled_pairs(model, ids, how):
-    """The (second, third) tokens of DRAWS sampled requests, counted: [V * V]."""
+    """The (second, third) tokens of DRAWS sampled requests of four, counted: [V * V]."""
     rng = random.Random(int(torch.randint(0, 2**31, ())))
-    reqs = [Request(list(ids), 3, "speculative", 0.5, draft_k=1, draft_depth=1, seed=rng.getrandbits(63),
+    reqs = [Request(list(ids), 4, "speculative", 0.5, draft_k=U, draft_depth=1, seed=rng.getrandbits(63),
                     **how) for _ in range(DRAWS)]
     Engine(model, 40000, max_batch=256, max_rows=1024).run(reqs)
     return torch.bincount(torch.tensor([r.tokens[1] * V + r.tokens[2] for r in reqs]),
@@ -176,11 +176,12 @@ def sampled_pairs(model, ids, how):
 
 @pytest.mark.parametrize("how", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
 def test_sampled_tokens_are_distributed_as_fixed(how, monkeypatch):
-    """The second and third tokens of 3,000 sampled requests (the second drafted at depth 1: a kept
-    draft or a replacement; the third, the last, never drafted: drawn at depth U) against their exact
-    joint law under fixed@U: the chi-square test passes; with the rule broken (every draft kept, or a
-    refused draft replaced from p instead of max(0, p - q)), the same test fails. The model is one
-    whose depth-1 and depth-U laws differ enough for that (a precondition, not a tuning)."""
+    """The second and third tokens of 3,000 sampled requests of four tokens (each drafted at depth 1
+    and kept or replaced; the third drafted while the second is not verified yet, so drafted again
+    after a refused second: the pipeline's own case) against their exact joint law under fixed@U:
+    the chi-square test passes; with the rule broken (every draft kept, or a refused draft replaced
+    from p instead of max(0, p - q)), the same test fails. The model is one whose depth-1 and
+    depth-U laws differ enough for that (a precondition, not a tuning)."""
     model = random_model(11, vocab_size=V)
     ids = [1, 4, 2]
     expected = exact_pairs(model, ids, Request(ids, 3, **how)) * DRAWS
