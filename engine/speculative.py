@@ -25,7 +25,7 @@ verifies the draft x that p + 1 runs on (turn, below: accept):
 
 A kept draft costs nothing more: its position is already running. A replaced one drops every position
 after p (their rows, pages and drafts go back: they ran on a wrong token) and p + 1 starts again on
-the replacement. With drafts kept at rate α a token takes about 1 + (U - d)(1 - α) passes of the
+the replacement. With drafts kept at rate α a token takes about d + (U - d)(1 - α) passes of the
 request against fixed@U's U. p and q are the distributions the sampler draws from (temperature,
 top-k and top-p applied to both the same way: engine/request.sample_set). The host
 (serve_depthbatch.Engine) keeps a request's samples aside (aside) and takes its turn after each pass.
@@ -109,13 +109,13 @@ def turn(s, stats):
         if not verified or s.req.cancelled or s.ending:
             continue
         assert pos == s.base(), (pos, s.base())           # the oldest position in flight
-        kept = False
+        kept = None                                     # no draft: the token drawn at depth U
         if s.drafts:
             tok, kept = accept(s.req, pos, s.drafts.pop(0), (tok, logits))
             stats["accepted"] += kept
         stats["verifies"] += 1
         out.append(s.deliver(tok, logits))
-        if not kept or s.ending:                        # what ran after it ran on a wrong token
+        if kept is False or s.ending:          # what ran after it ran on a refused draft, or past the end
             cut = pos + 1
             rewind(s, cut)
     for pos, tok, logits, verified in samples:
