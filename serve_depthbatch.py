@@ -83,12 +83,10 @@ class EagerRunner(Runner):
         exited = [(g.live, pos, hn[i]) for g, pos, i, newly, stopped in rows
                   if g.sample_from is not None and pos >= g.sample_from
                   and (newly or stopped and g.live.req.mode == "speculative")]
-        if self.shared is not None:      # a speculative row's draft or verification is taken at once
+        if self.shared is not None:      # rows still to run next pass: in flight, or a chunk to start
             others = (any(len(g.pos) for g in groups) or queued
                       or any(s not in self.groups and s.done < s.runnable() for s in running))
-            spec = [x[0].req.mode == "speculative" for x in exited]
-            exited = [x for x, sp in zip(exited, spec) if sp] + self.shared.choose(
-                [x for x, sp in zip(exited, spec) if not sp], others, running, queued)
+            exited = self.shared.choose(exited, others, running, queued)
         tokens = self._sample(exited)                        # the LM head
         for g in groups:
             if len(g.pos) == 0:

@@ -48,21 +48,24 @@ class SharedHead:
 
     def choose(self, exited, others, running, queued):
         """The exited rows [(Live, position, normed state)] that take the LM head now (beyond App. A.2,
-        where every exited row takes it at once): they join the
-        waiting rows, and all go together when one has waited its limit, when nothing else would run
-        next pass (others: False), or when waiting costs more than the call it saves. What a wait
+        where every exited row takes it at once): they join the waiting rows, and all go together
+        when one has waited its limit, when nothing else would run next pass (others: False), or
+        when waiting costs more than the call it saves. What a wait
         costs: while requests queue, each waiting row idles its slot of the batch (about w_block /
         max_batch a pass, against w_head for a call), so no row waits more than MAX_WAIT passes. With
         no queue, nothing, unless the waiting request ends up the last one to finish: then each pass
         it waited is one more pass of the batch (w_block). So rows wait only where a call costs more
         than a pass, and only while one more pass of waiting leaves their request short of the one
         that ends the batch (passes left, waits included); they wait for its row (at most U passes:
-        it exits within U) and share its call."""
+        it exits within U) and share its call. A speculative request's rows never wait: the next
+        position starts on what they sample (engine/speculative.py)."""
+        now = [x for x in exited if x[0].req.mode == "speculative"]
+        exited = [x for x in exited if x[0].req.mode != "speculative"]
         self.rows = [(s, p, h, w + 1) for s, p, h, w in self.rows] + [(s, p, h, 0)
                                                                       for s, p, h in exited]
         waits = [(s, w) for s, _, _, w in self.rows]
         if not waits:
-            return []
+            return now
         if queued:
             dear, limit = len(waits) * self.w_block >= self.w_head * self.max_batch, MAX_WAIT
         else:
@@ -71,8 +74,8 @@ class SharedHead:
             dear = self.w_head < self.w_block or any(left[s] + w + 1 > end for s, w in waits)
             limit = self.U
         if others and not dear and max(w for _, w in waits) < limit:
-            return []
-        return self.take()
+            return now
+        return now + self.take()
 
     def passes_expected(self, s):
         """Passes a running request is expected to need still (an estimate, where the slot runner's
