@@ -7,6 +7,9 @@ import contextlib
 import json
 import os
 import random
+import threading
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -29,6 +32,9 @@ from engine.request import Request  # noqa: E402
 from modes import prompt_thresholds  # noqa: E402
 from serve_depthbatch import Engine  # noqa: E402
 from lab.claims import THRS  # noqa: E402
+from prepare_data import SYNTH_CHARS  # noqa: E402
+from server import serve  # noqa: E402
+from tokenizer import char_meta, load_tokenizer  # noqa: E402
 
 U = 4
 
@@ -298,3 +304,43 @@ def windows(fixed, ragged, depth, seed, n=160, noise=0.05):
     return {"fixed": [list(row) for row in zip(*columns)],
             "ragged": {str(t): list(ragged + shared + own()) for t in THRS},
             "depth": {str(t): list(np.full(n, depth)) for t in THRS}}
+
+
+# ----------------------------------------------------------------------------- a server on a loopback port
+
+@contextlib.contextmanager
+def serving(seed, kv_pages, max_batch, **shape):
+    """A char-level random model served on a free loopback port, with the engine thread running.
+    Yields (url, engine, server, encode, decode)."""
+    torch.manual_seed(seed)
+    meta = char_meta(SYNTH_CHARS)
+    model = LoopedLM(GPTConfig(vocab_size=meta["vocab_size"], **shape)).eval()
+    with torch.no_grad():
+        model.early_exit_gate.weight.normal_(0, 2.0)
+    encode, decode = load_tokenizer(meta)
+    engine = Engine(model, kv_pages, max_batch=max_batch)
+    httpd, server = serve(engine, "127.0.0.1", 0, encode, decode, "tiny")
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", engine, server, encode, decode
+    finally:
+        httpd.shutdown()
+        server.stop()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    shape = dict(block_size=64, n_layer=2, n_head=4, n_embd=32, ffn_hidden=48)
+    with serving(0, 2000, 8, **shape) as (url, engine, _, enc, dec):
+        yield url, engine, enc, dec
+
+
+def post(url, body, raw=False):
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
