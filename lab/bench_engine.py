@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from lab.bench_gpu import ouro_way
+from lab.ouro_way import ouro_way
 from lab.ouro_code import ouro_code_generate, ouro_code_model
 from checkpoint import load_checkpoint
 from configurator import UserError, resolve_device, split_list

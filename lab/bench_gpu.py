@@ -22,7 +22,7 @@ its slowest request, so at batch 8 and 32 one request that runs deep sets the pa
 requests a second the engine can serve), and the same requests arriving as a server sees them, a
 Poisson process at 50% and 90% of that capacity, with each client's time to its first token and
 between its tokens (p50, p99). Configurations: the Ouro way
-(ouro_way: every token all U loops on dense lanes, one head call per step) eager and graphed
+(lab/ouro_way.py: every token all U loops on dense lanes, one head call per step) eager and graphed
 (StaticLanes: the step compiled whole, one graph for the prompt, one for a decode step: U passes and
 the head), fixed batch only; the engine's fixed@U, Dense-Ragged and ETE-Ragged, eager (Engine) and
 graphed (the slot runner: the pass compiled whole, every bucket captured when it starts). The ceiling:
@@ -52,13 +52,13 @@ from configurator import split_list
 from kernels import splits_for
 from lab import gpu_counts
 from lab.gpu_counts import captured_launches, inductor_launches
-from model import GPTConfig, LoopedLM, forward_lanes, fuse_projections, threshold_exit
-from ragged import DenseLanes, PagePool, pool_pages
-from engine.request import Request, sample_token
+from lab.ouro_way import OuroWay, ouro_way
+from model import GPTConfig, LoopedLM, fuse_projections, threshold_exit
+from ragged import PagePool, pool_pages
+from engine.request import Request
 from engine.shared_head import weight_bytes
 from engine.build import engine_for
 from serve_depthbatch import Engine
-from engine.graphs import Graphs, allow_recompiles
 from engine.slot_pass import Slots, finish_rows
 
 SHAPES = {   # the model of the run; "tiny" runs the same code on a CPU in seconds
@@ -72,40 +72,6 @@ PAPER_H100_EAGER = {        # the paper's Table of matched eager H100 runs, tok/
 N_PROMPT, N_NEW, THR, TARGET_DEPTH = 32, 32, 0.5, 2.6
 QUEUE_PER_SLOT = 4          # the queue: this many requests per slot, prompts of 8..N_PROMPT, 8..N_NEW new tokens
 ARRIVAL_SHARES = (0.5, 0.9)   # arrivals at these shares of the requests a second the queue measured
-
-
-class StaticLanes(DenseLanes):
-    """DenseLanes at fixed shapes, for a CUDA graph (the baseline's graph, OuroWay): the
-    next position is a tensor on the device, each layer writes its K/V there and attends over the
-    whole lane through a mask of the positions written so far, as gpt-fast's static cache does;
-    `depth` is a Python int (a graph unrolls the loops). A tensor per lane, not views of one, so
-    that a compiled step writes each in place."""
-
-    def __init__(self, model, n_lanes, max_len, batch=1):
-        cfg, p = model.config, model.lm_head.weight
-        lane = lambda: torch.zeros(batch, cfg.n_kv_head, max_len, cfg.head_dim, dtype=p.dtype,
-                                   device=p.device)
-        self.k = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
-        self.v = [[lane() for _ in range(cfg.n_layer)] for _ in range(n_lanes)]
-        self.depth = 0
-        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)
-
-    def buffers(self):
-        """Every tensor a step changes (for a graph capture to restore)."""
-        return [t for lanes in (self.k, self.v) for lane in lanes for t in lane] + [self.pos]
-
-    def begin(self, depth, pos=None):
-        self.depth = depth
-
-    def layer_kv(self, layer, k, v):
-        # this chunk's positions
-        at = self.pos + torch.arange(k.shape[2], device=k.device)
-        lane_k, lane_v = self.k[self.depth][layer], self.v[self.depth][layer]
-        lane_k.index_copy_(2, at, k)
-        lane_v.index_copy_(2, at, v)
-        return lane_k, lane_v, torch.arange(lane_k.shape[2], device=k.device)[None, :] <= at[:, None]
-
-
 
 
 def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
@@ -131,88 +97,6 @@ def ouro_shape_model(shape, device, seed, prompts, n_layer=None):
             lo, hi = (lo, mid) if depth < TARGET_DEPTH else (mid, hi)
         model.early_exit_gate.bias.fill_(lo)
     return model.requires_grad_(False)
-
-
-def ouro_way(model, prompts, n_new, temperature=0.0, top_p=1.0):
-    """The baseline a user compares against: batched full-depth generation as Ouro's own code does
-    it: every token runs all U loops on dense per-depth KV lanes, one LM-head call per step for the
-    whole batch. prompts: equal lengths (no padding). Row i samples with seed i, as the engine's
-    requests of seeds 0..B-1 do (request.sample_token: the same draws)."""
-    U, dev = model.config.n_loops, model.lm_head.weight.device
-    cache = DenseLanes(model, U, len(prompts[0]) + n_new, batch=len(prompts))
-    idx, pos, out = torch.tensor(prompts, device=dev), 0, []
-    with torch.inference_mode():
-        for _ in range(n_new):
-            states, _ = forward_lanes(model, idx, cache, pos, U)
-            pos += idx.shape[1]
-            logits = model.lm_head(states[-1])
-            if temperature == 0:
-                idx = logits.argmax(-1)[:, None]
-            else:
-                idx = torch.tensor([[sample_token(lg, temperature, 0, top_p, i, pos - 1)]
-                                    for i, lg in enumerate(logits)], device=dev)
-            out.append(idx[:, 0])
-    return torch.stack(out, 1).tolist()
-
-
-def lanes_loop(model, lanes, h, cos, sin):
-    """One loop of the Ouro way: the block over the lanes of depth lanes.depth, then the exit heads."""
-    return model.exit_heads(model.block(h, cos, sin, lanes))
-
-
-def lanes_step(model, lanes, ids, loop=lanes_loop):
-    """One step of the Ouro way on static lanes: the chunk `ids` [B, T] through all U loops, each
-    layer's attention over its lane, then the greedy token of the last position. The same maths as
-    model.generate's lanes (test_bench.py checks the tokens); `loop` compiled when graphed."""
-    h = model.embed_tokens(ids)
-    cos, sin = model.rope(lanes.pos + torch.arange(ids.shape[1], device=ids.device), h.dtype)
-    for d in range(model.config.n_loops):
-        lanes.begin(d)
-        hn, _, h = loop(model, lanes, h, cos, sin)
-    lanes.pos += ids.shape[1]
-    return model.lm_head(hn[:, -1]).argmax(-1)
-
-
-class OuroWay:
-    """The Ouro way at fixed shapes: a graph for the prompt step and one for a decode step (U
-    passes, the head and the argmax, gpt-fast's decode_one_token with the loops unrolled), each loop
-    compiled whole (one graph for all U: they differ only in their lanes) with the projections
-    stacked as the slot engine's (four GEMMs a layer)."""
-
-    def __init__(self, model, batch, graphs):
-        dev = model.lm_head.weight.device
-        self.model = fuse_projections(model)
-        if graphs:
-            # a graph for each depth's lanes and chunk length
-            allow_recompiles()
-        self.loop = torch.compile(lanes_loop, dynamic=False) if graphs else lanes_loop
-        self.lanes = StaticLanes(model, model.config.n_loops, N_PROMPT + N_NEW, batch)
-        self.prompt = torch.zeros(batch, N_PROMPT, dtype=torch.long, device=dev)
-        self.cur = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.out = torch.zeros(batch, N_NEW, dtype=torch.long, device=dev)
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graphs = Graphs(lambda: self.lanes.buffers() + [self.cur, self.out, self.t]) if graphs else None
-
-    def _step(self, ids):
-        tok = lanes_step(self.model, self.lanes, ids, self.loop)
-        self.out.index_copy_(1, self.t, tok[:, None])
-        self.cur.copy_(tok[:, None])
-        self.t += 1
-
-    def _replay(self, name, fn):
-        if self.graphs is None:
-            return fn()
-        self.graphs.replay(name, fn)
-
-    def generate(self, prompts):
-        self.lanes.pos.zero_()
-        self.t.zero_()
-        self.prompt.copy_(torch.tensor(prompts))
-        with torch.inference_mode():
-            self._replay("prompt", lambda: self._step(self.prompt))
-            for _ in range(N_NEW - 1):
-                self._replay("decode", lambda: self._step(self.cur))
-        return self.out.tolist()
 
 
 # ---------------------------------------------------------------------------- counted on any device
@@ -320,7 +204,7 @@ def build(model, B, config, workload):
     longest = N_PROMPT + N_NEW
     pages, rows = B * longest * model.config.n_loops, B * N_PROMPT
     if kind == "ouro_way":
-        return OuroWay(model, B, graphs is True) if graphs else None
+        return OuroWay(model, B, graphs is True, N_PROMPT, N_NEW) if graphs else None
     if not graphs:
         return Engine(model, pages, max_batch=B, max_rows=rows, scheduler=scheduler)
     return Engine(model, pages, runner="slots", max_batch=B, max_rows=rows, scheduler=scheduler,
