@@ -285,11 +285,11 @@ def report(c, reqs, ids, decode, engine, pages, spec):
               f"block, peak {engine.pool.peak} of {pages} KV pages", file=sys.stderr)
     if c["json"]:
         fixed = mode == "fixed"
-        rounds = ({"speculative": dict(draft_k=c["draft_k"], draft_depth=c["draft_depth"],
-                                       **{k: st[k] for k in ("verifies", "drafted", "accepted")})}
-                  if mode == "speculative" else {})
+        spec = ({"speculative": dict(draft_k=c["draft_k"], draft_depth=c["draft_depth"],
+                                     **{k: st[k] for k in ("verifies", "drafted", "accepted")})}
+                if mode == "speculative" else {})
         print(json.dumps({"mode": mode, "thr": None if fixed else thr, "depth": depth if fixed
-                          else None, "n_loops": U, "prompt_tokens": ids, "samples": samples, **rounds}))
+                          else None, "n_loops": U, "prompt_tokens": ids, "samples": samples, **spec}))
     return samples
 
 

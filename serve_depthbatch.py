@@ -282,7 +282,7 @@ class Engine:
             ran = sum(n for s, n in log.ran if s.seq is not None)     # rows of requests still running
             self.stats["passes"] += ran > 0
             self.stats["rows"] += ran
-            count_passes(log, self.stats)              # a speculative round's draft and verify passes
+            count_passes(log, self.stats)              # the speculative draft and verify passes
             touched = set()
             for row in log.said:
                 s = row.live
