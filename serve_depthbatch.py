@@ -47,8 +47,6 @@ class EagerRunner(Runner):
         self.shared = SharedHead(model, max_batch) if head == "shared" and not waves else None
         # Live -> its rows in flight, [Group] (a speculative request: a position each, each at its depth)
         self.groups = {}
-        # (request, rows, is decode) of the last run's passes, and how many: what a benchmark counts
-        self.last_pass, self.last_passes = [], 0
 
     def start(self, s, end):
         """Rows for positions s.started..end-1, each with its mode's rule (modes.position_rules); a
@@ -110,10 +108,8 @@ class EagerRunner(Runner):
             g.span, row = slice(row, row + len(g.pos)), row + len(g.pos)
         n_pass = batch[0][1].shape[1] if batch else 0
         assert all(p.shape[1] == n_pass for _, p in batch), "a wave runs every group to one depth"
-        groups = [g for g, _ in batch]
-        self.last_pass = [(g.live.req, len(g.pos), g.start >= len(g.live.req.prompt)) for g in groups]
-        self.last_passes = n_pass
-        return groups, [torch.cat([p[:, d] for _, p in batch]).to(self.device) for d in range(n_pass)]
+        return ([g for g, _ in batch],
+                [torch.cat([p[:, d] for _, p in batch]).to(self.device) for d in range(n_pass)])
 
     def _run_block(self, groups, pages):
         """One application of the block to every row: row r at position p_r and depth d_r writes its

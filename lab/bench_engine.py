@@ -424,25 +424,39 @@ def new_counts():
                 steady_decode_rows=0)
 
 
+def step_logs(e):
+    """One engine step, and the Logs its runner returned (engine/contract.Log: the rows each request
+    ran in each pass), read from outside: the runner's run is wrapped for the step."""
+    run, logs = e.runner.run, []
+    e.runner.run = lambda running, queued: logs.extend(run(running, queued)) or logs
+    try:
+        return e.step(), logs
+    finally:
+        del e.runner.run                            # its own method again
+
+
 def counted_step(e, counts):
-    """One engine step, counted from outside from what the engine reports of its pass (last_pass).
-    The work-conserving bound (App. A.2) is Σ (depths run by requests) / B over the passes in which
-    requests wait, enough to fill the batch ("steady"): a scheduler that runs every pass full
-    reaches it. A prompt chunk counts as one slot of the batch, as a decode token does."""
+    """One engine step, counted from outside from its runner's Logs (step_logs). The work-conserving
+    bound (App. A.2) is Σ (depths run by requests) / B over the passes in which requests wait,
+    enough to fill the batch ("steady"): a scheduler that runs every pass full reaches it. A prompt
+    chunk counts as one slot of the batch, as a decode token does; a request's rows are decode rows
+    when they started past its prompt (its rows are one chunk: positions started - rows ..)."""
     q = e.scheduler
     steady = len(q.waiting) > 0 and len(q.waiting) + len(q.running) >= q.max_batch
-    out = e.step()
-    if e.runner.last_pass:
-        n = e.runner.last_passes                                   # a fixed wave: n passes of the same rows
-        rows = n * sum(k for _, k, _ in e.runner.last_pass)
-        dec = n * sum(k for _, k, decode in e.runner.last_pass if decode)
-        counts["passes"] += n
+    out, logs = step_logs(e)
+    for log in logs:
+        ran = [(s, n) for s, n in log.ran if n]
+        if not ran:                                   # a shared head call alone: no pass of the block
+            continue
+        rows = sum(n for _, n in ran)
+        dec = sum(n for s, n in ran if s.started - n >= len(s.req.prompt))
+        counts["passes"] += 1
         counts["rows"] += rows
         counts["decode_rows"] += dec
         counts["prefill_rows"] += rows - dec
         if steady:
-            counts["steady_passes"] += n
-            counts["steady_slots"] += n * len(e.runner.last_pass)   # requests that ran a depth (a chunk: one row)
+            counts["steady_passes"] += 1
+            counts["steady_slots"] += len(ran)      # requests that ran a depth (a chunk: one slot)
             counts["steady_decode_rows"] += dec
     return out
 
