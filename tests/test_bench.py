@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from lab import bench, bench_engine
+from lab import bench, bench_engine, cost_model
 from configurator import UserError
 from conftest import prompt, varied_model
 from engine.request import Request
@@ -142,8 +142,8 @@ def test_head_schedule_finds_the_cheapest_head_calls_for_known_exits():
         rows = [[random.randint(1, 3) for _ in range(random.randint(1, T))] for _ in range(B)]
         wh = random.choice([0.5, 1.0, 2.0, 3.0])
         best = brute_force_schedule(rows, 1.0, wh)
-        assert bench_engine.head_schedule(rows, 1.0, wh) == best, (rows, wh)
-        narrow = bench_engine.head_schedule(rows, 1.0, wh, width=1)
+        assert cost_model.head_schedule(rows, 1.0, wh) == best, (rows, wh)
+        narrow = cost_model.head_schedule(rows, 1.0, wh, width=1)
         n = max(map(len, rows))
         assert best <= narrow <= sum(max(r[t] for r in rows if t < len(r)) for t in range(n)) + n * wh
         assert best >= max(sum(r) for r in rows) + max(map(len, rows)) * wh

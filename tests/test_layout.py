@@ -15,7 +15,7 @@ LIBRARY = {"model", "ragged", "kernels", "serve_depthbatch", "modes", "checkpoin
            "engine.build", "engine.contract", "engine.scheduler", "engine.rows", "engine.shared_head", "engine.request",
            "engine.slots", "engine.slot_pass", "engine.graphs", "engine.serving", "engine.speculative",
            "lab.tasks", "lab.claims", "lab.difficulty", "lab.stats", "lab.figures", "lab.report", "lab.gpu_counts",
-           "lab.ouro_code", "lab.ouro_way", "lab.harness", "lab.ladder_claims",
+           "lab.ouro_code", "lab.ouro_way", "lab.cost_model", "lab.harness", "lab.ladder_claims",
            "prepare_data"}     # a script too, but first the definition of the synthetic data, which lab/tasks.py reads
 MAX_FILE, MAX_FUNCTION = 600, 60          # lines: a file is read top to bottom, a function at one glance
 SCRIPTS = {"train", "sample", "lab.eval", "lab.bench", "lab.bench_kernels", "lab.bench_gpu",
